@@ -1,0 +1,282 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+#include <string>
+
+#include "engine/check.h"
+
+namespace deepinfer {
+
+Scheduler::Scheduler(const SchedulerConfig& config)
+    : config_(config), blocks_(config.num_blocks, config.block_size) {
+  DI_REQUIRE(config.max_num_seqs > 0, "max_num_seqs must be positive");
+  DI_REQUIRE(config.num_state_slots >= config.max_num_seqs,
+             "num_state_slots must be at least max_num_seqs");
+  DI_REQUIRE(config.max_num_batched_tokens >= config.max_model_len,
+             "max_num_batched_tokens must be at least max_model_len (prefill is not chunked)");
+  DI_REQUIRE(static_cast<int64_t>(config.num_blocks) * config.block_size >= config.max_model_len,
+             "the KV pool must hold one max_model_len sequence");
+  for (int s = config.num_state_slots - 1; s >= 0; --s) free_slots_.push_back(s);
+}
+
+Sequence* Scheduler::lookup(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  DI_REQUIRE(it != seqs_.end(), "unknown sequence " + std::to_string(seq_id));
+  return it->second.get();
+}
+
+const Sequence& Scheduler::sequence(int64_t seq_id) const { return *lookup(seq_id); }
+
+void Scheduler::add_sequence(int64_t seq_id, const std::vector<int32_t>& prompt,
+                             const SamplingLimits& limits) {
+  DI_REQUIRE(config_.engine_type != EngineType::COMPLETION,
+             "a COMPLETION engine only accepts imported sequences");
+  DI_REQUIRE(!seqs_.count(seq_id), "sequence " + std::to_string(seq_id) + " already exists");
+  DI_REQUIRE(!prompt.empty(), "sequence " + std::to_string(seq_id) + " has an empty prompt");
+  DI_REQUIRE(static_cast<int>(prompt.size()) < config_.max_model_len,
+             "sequence " + std::to_string(seq_id) + " prompt does not fit max_model_len");
+  auto seq = std::make_unique<Sequence>();
+  seq->seq_id = seq_id;
+  seq->arrival = next_arrival_++;
+  seq->token_ids = prompt;
+  seq->num_prompt_tokens = static_cast<int>(prompt.size());
+  seq->limits = limits;
+  waiting_.push_back(seq.get());
+  seqs_.emplace(seq_id, std::move(seq));
+}
+
+bool Scheduler::import_sequence(int64_t seq_id, const std::vector<int32_t>& tokens,
+                                int num_prompt_tokens, const SamplingLimits& limits) {
+  DI_REQUIRE(config_.engine_type == EngineType::COMPLETION, "only a COMPLETION engine imports");
+  DI_REQUIRE(!seqs_.count(seq_id), "sequence " + std::to_string(seq_id) + " already exists");
+  DI_REQUIRE(num_prompt_tokens > 0 && num_prompt_tokens < static_cast<int>(tokens.size()),
+             "an imported sequence needs its prompt and at least one sampled token");
+  if (static_cast<int>(running_.size()) >= config_.max_num_seqs || free_slots_.empty()) return false;
+  if (!blocks_.can_allocate(blocks_.blocks_for(static_cast<int>(tokens.size())))) return false;
+  auto seq = std::make_unique<Sequence>();
+  seq->seq_id = seq_id;
+  seq->arrival = next_arrival_++;
+  seq->token_ids = tokens;
+  seq->num_prompt_tokens = num_prompt_tokens;
+  // The KV of every token but the last sampled one arrives with the sequence.
+  seq->num_computed_tokens = static_cast<int>(tokens.size()) - 1;
+  seq->limits = limits;
+  seq->status = SequenceStatus::RUNNING;
+  seq->block_table = blocks_.allocate(blocks_.blocks_for(seq->num_computed_tokens));
+  seq->state_slot = free_slots_.back();
+  free_slots_.pop_back();
+  running_.push_back(seq.get());
+  seqs_.emplace(seq_id, std::move(seq));
+  return true;
+}
+
+ScheduledBatch Scheduler::schedule() {
+  ScheduledBatch batch;
+  if (config_.engine_type != EngineType::COMPLETION && schedule_prefill(batch)) return batch;
+  if (config_.engine_type != EngineType::PROMPT) schedule_decode(batch);
+  return batch;
+}
+
+bool Scheduler::schedule_prefill(ScheduledBatch& batch) {
+  std::vector<Sequence*> picked;
+  int num_tokens = 0;
+  while (!waiting_.empty()) {
+    Sequence* seq = waiting_.front();
+    int query = seq->num_tokens() - seq->num_computed_tokens;
+    if (static_cast<int>(running_.size()) >= config_.max_num_seqs) break;
+    if (num_tokens + query > config_.max_num_batched_tokens) break;
+    if (free_slots_.empty() || !blocks_.append(seq->block_table, seq->num_tokens())) break;
+    waiting_.pop_front();
+    seq->state_slot = free_slots_.back();
+    free_slots_.pop_back();
+    seq->status = SequenceStatus::RUNNING;
+    running_.push_back(seq);
+    picked.push_back(seq);
+    num_tokens += query;
+  }
+  if (picked.empty()) return false;
+  batch.type = StepType::PREFILL;
+  prepare_inputs(batch, picked);
+  return true;
+}
+
+bool Scheduler::schedule_decode(ScheduledBatch& batch) {
+  // Shortest output first: short sequences finish soonest and free their blocks; when blocks run
+  // out the longest-output sequences are evicted, since recomputing them later costs the most but
+  // holding them starves everyone else.
+  std::stable_sort(running_.begin(), running_.end(), [](const Sequence* a, const Sequence* b) {
+    if (a->num_output_tokens() != b->num_output_tokens())
+      return a->num_output_tokens() < b->num_output_tokens();
+    return a->arrival < b->arrival;
+  });
+  std::vector<Sequence*> picked;
+  size_t last = running_.size();
+  for (size_t i = 0; i < last; ++i) {
+    Sequence* seq = running_[i];
+    bool ok = blocks_.append(seq->block_table, seq->num_tokens());
+    while (!ok && last > i + 1) {
+      preempt(running_[--last], batch);
+      ok = blocks_.append(seq->block_table, seq->num_tokens());
+    }
+    if (ok) {
+      picked.push_back(seq);
+    } else {  // nothing left to evict but itself
+      preempt(seq, batch);
+      --last;
+    }
+  }
+  running_.resize(last);
+  if (picked.empty()) return false;
+  batch.type = StepType::DECODE;
+  prepare_inputs(batch, picked);
+  return true;
+}
+
+void Scheduler::preempt(Sequence* seq, ScheduledBatch& batch) {
+  release_resources(seq);
+  seq->status = SequenceStatus::WAITING;
+  seq->num_computed_tokens = 0;
+  ++seq->num_preemptions;
+  ++num_preemptions_;
+  waiting_.push_front(seq);
+  batch.preempted.push_back(seq->seq_id);
+}
+
+void Scheduler::release_resources(Sequence* seq) {
+  blocks_.free(seq->block_table);
+  seq->block_table.clear();
+  if (seq->state_slot >= 0) free_slots_.push_back(seq->state_slot);
+  seq->state_slot = -1;
+}
+
+void Scheduler::prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs) {
+  const int bs = config_.block_size;
+  batch.query_start_loc.push_back(0);
+  for (Sequence* seq : seqs) {
+    batch.max_blocks = std::max(batch.max_blocks, static_cast<int>(seq->block_table.size()));
+  }
+  batch.block_tables.assign(seqs.size() * batch.max_blocks, -1);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence* seq = seqs[i];
+    DI_CHECK(seq->schedule_cnt == seq->process_cnt, "sequence scheduled twice before processing");
+    for (int pos = seq->num_computed_tokens; pos < seq->num_tokens(); ++pos) {
+      batch.input_ids.push_back(seq->token_ids[pos]);
+      batch.positions.push_back(pos);
+      batch.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[pos / bs]) * bs + pos % bs);
+    }
+    seq->num_computed_tokens = seq->num_tokens();
+    ++seq->schedule_cnt;
+    batch.seq_ids.push_back(seq->seq_id);
+    batch.query_start_loc.push_back(static_cast<int32_t>(batch.input_ids.size()));
+    batch.context_lens.push_back(seq->num_tokens());
+    batch.state_slots.push_back(seq->state_slot);
+    std::copy(seq->block_table.begin(), seq->block_table.end(),
+              batch.block_tables.begin() + i * batch.max_blocks);
+  }
+}
+
+// Appends a sampled token and returns whether the sequence is now finished. EOS and stop tokens
+// are ignored until min_tokens outputs exist, as in vLLM.
+bool Scheduler::append_token(Sequence* seq, int32_t token) {
+  seq->token_ids.push_back(token);
+  const SamplingLimits& lim = seq->limits;
+  int n_out = seq->num_output_tokens();
+  if (n_out >= lim.min_tokens) {
+    const auto& eos = config_.eos_token_ids;
+    if (!lim.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end()) {
+      seq->finish_reason = FinishReason::STOP;
+      return true;
+    }
+    const auto& stops = lim.stop_token_ids;
+    if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+      seq->finish_reason = FinishReason::STOP;
+      seq->stop_token = token;
+      return true;
+    }
+  }
+  if (n_out >= lim.max_tokens || seq->num_tokens() >= config_.max_model_len) {
+    seq->finish_reason = FinishReason::LENGTH;
+    return true;
+  }
+  return false;
+}
+
+std::vector<StepOutput> Scheduler::process(const ScheduledBatch& batch,
+                                           const std::vector<int32_t>& tokens) {
+  DI_REQUIRE(tokens.size() == batch.seq_ids.size(), "one sampled token per scheduled sequence");
+  std::vector<StepOutput> out;
+  out.reserve(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    Sequence* seq = lookup(batch.seq_ids[i]);
+    ++seq->process_cnt;
+    bool done;
+    if (tokens[i] < 0) {
+      seq->finish_reason = FinishReason::ERROR;
+      done = true;
+    } else {
+      done = append_token(seq, tokens[i]);
+    }
+    if (!done && config_.engine_type == EngineType::PROMPT) {
+      seq->finish_reason = FinishReason::HANDOFF;
+      done = true;
+    }
+    out.push_back({seq->seq_id, tokens[i], done, seq->finish_reason, seq->stop_token});
+    if (done) finish(seq->seq_id, seq->finish_reason);
+  }
+  DI_CHECK((check_invariants(), true), "");
+  return out;
+}
+
+void Scheduler::remove_running(Sequence* seq) {
+  auto it = std::find(running_.begin(), running_.end(), seq);
+  if (it != running_.end()) running_.erase(it);
+  auto wt = std::find(waiting_.begin(), waiting_.end(), seq);
+  if (wt != waiting_.end()) waiting_.erase(wt);
+}
+
+void Scheduler::finish(int64_t seq_id, FinishReason reason) {
+  Sequence* seq = lookup(seq_id);
+  DI_REQUIRE(seq->status != SequenceStatus::HANDED_OFF, "a handed-off sequence is released, not finished");
+  remove_running(seq);
+  seq->finish_reason = reason;
+  if (reason == FinishReason::HANDOFF) {
+    // The exporter still reads these blocks; release() frees them.
+    seq->status = SequenceStatus::HANDED_OFF;
+    return;
+  }
+  release_resources(seq);
+  seqs_.erase(seq_id);
+}
+
+void Scheduler::release(int64_t seq_id) {
+  Sequence* seq = lookup(seq_id);
+  DI_REQUIRE(seq->status == SequenceStatus::HANDED_OFF,
+             "sequence " + std::to_string(seq_id) + " was not handed off");
+  release_resources(seq);
+  seqs_.erase(seq_id);
+}
+
+void Scheduler::check_invariants() const {
+  blocks_.check();
+  std::vector<int> owners(blocks_.num_blocks(), 0);
+  std::vector<char> slot_used(config_.num_state_slots, 0);
+  for (const auto& kv : seqs_) {
+    const Sequence& s = *kv.second;
+    for (int b : s.block_table) ++owners[b];
+    if (s.state_slot >= 0) {
+      if (slot_used[s.state_slot]) throw std::logic_error("state slot owned twice");
+      slot_used[s.state_slot] = 1;
+    }
+    if (s.status == SequenceStatus::WAITING && !s.block_table.empty())
+      throw std::logic_error("waiting sequence holds blocks");
+  }
+  for (int b = 0; b < blocks_.num_blocks(); ++b)
+    if (owners[b] > blocks_.ref_count(b))
+      throw std::logic_error("block " + std::to_string(b) + " has more owners than references");
+  size_t used_slots = std::count(slot_used.begin(), slot_used.end(), 1);
+  if (used_slots + free_slots_.size() != slot_used.size()) throw std::logic_error("state slot leaked");
+  if (waiting_.size() + running_.size() > seqs_.size()) throw std::logic_error("queue holds a dead sequence");
+  if (static_cast<int>(running_.size()) > config_.max_num_seqs) throw std::logic_error("too many running");
+}
+
+}  // namespace deepinfer

@@ -1,0 +1,103 @@
+#pragma once
+// Picks one step type per step (PREFILL or DECODE) and the sequences in it, owns every live
+// Sequence, and applies sampled tokens (output processing). Called with the GIL released.
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/block_manager.h"
+#include "engine/sequence.h"
+
+namespace deepinfer {
+
+// NORMAL runs both phases; PROMPT only prefills, then hands each sequence off with its KV;
+// COMPLETION only decodes sequences imported with their KV already present.
+enum class EngineType { NORMAL, PROMPT, COMPLETION };
+enum class StepType { IDLE, PREFILL, DECODE };
+
+struct SchedulerConfig {
+  int max_num_seqs = 256;
+  int max_num_batched_tokens = 8192;
+  int max_model_len = 4096;
+  int block_size = 16;
+  int num_blocks = 0;
+  int num_state_slots = 0;
+  EngineType engine_type = EngineType::NORMAL;
+  std::vector<int32_t> eos_token_ids;
+};
+
+// The flat model inputs of one step. Sequences are in batch order; tokens of sequence i occupy
+// [query_start_loc[i], query_start_loc[i+1]) in the flat arrays.
+struct ScheduledBatch {
+  StepType type = StepType::IDLE;
+  std::vector<int64_t> seq_ids;
+  std::vector<int64_t> input_ids;       // [T]
+  std::vector<int64_t> positions;       // [T]
+  std::vector<int64_t> slot_mapping;    // [T] block * block_size + offset
+  std::vector<int32_t> query_start_loc; // [B + 1]
+  std::vector<int32_t> context_lens;    // [B] tokens in cache after this step
+  std::vector<int32_t> block_tables;    // [B, max_blocks] padded with -1
+  int max_blocks = 0;
+  std::vector<int32_t> state_slots;     // [B]
+  std::vector<int64_t> preempted;       // sequences evicted to make room in this step
+};
+
+struct StepOutput {
+  int64_t seq_id;
+  int32_t token;  // -1 when the row failed
+  bool finished;
+  FinishReason reason;
+  int32_t stop_token;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerConfig& config);
+
+  void add_sequence(int64_t seq_id, const std::vector<int32_t>& prompt, const SamplingLimits& limits);
+  // COMPLETION: admit a prefilled sequence (tokens = prompt + first sampled token). Returns false if
+  // blocks or a state slot are short; on success the caller copies its KV into block_table(seq_id).
+  bool import_sequence(int64_t seq_id, const std::vector<int32_t>& tokens, int num_prompt_tokens,
+                       const SamplingLimits& limits);
+  ScheduledBatch schedule();
+  // Applies one sampled token per scheduled sequence (-1 marks a failed row, finished with ERROR).
+  std::vector<StepOutput> process(const ScheduledBatch& batch, const std::vector<int32_t>& tokens);
+  // Ends a sequence from outside (stop string, abort, error); frees its blocks and slot.
+  void finish(int64_t seq_id, FinishReason reason);
+  // PROMPT: drops the scheduler's hold on a handed-off sequence once its KV has been exported.
+  void release(int64_t seq_id);
+
+  const Sequence& sequence(int64_t seq_id) const;
+  bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
+  int num_waiting() const { return static_cast<int>(waiting_.size()); }
+  int num_running() const { return static_cast<int>(running_.size()); }
+  int num_free_state_slots() const { return static_cast<int>(free_slots_.size()); }
+  int64_t num_preemptions() const { return num_preemptions_; }
+  BlockManager& block_manager() { return blocks_; }
+  const SchedulerConfig& config() const { return config_; }
+  // Throws if any block, slot or queue invariant is broken.
+  void check_invariants() const;
+
+ private:
+  bool schedule_prefill(ScheduledBatch& batch);
+  bool schedule_decode(ScheduledBatch& batch);
+  void preempt(Sequence* seq, ScheduledBatch& batch);
+  void release_resources(Sequence* seq);
+  void prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs);
+  bool append_token(Sequence* seq, int32_t token);
+  void remove_running(Sequence* seq);
+  Sequence* lookup(int64_t seq_id) const;
+
+  SchedulerConfig config_;
+  BlockManager blocks_;
+  std::vector<int> free_slots_;
+  std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
+  std::deque<Sequence*> waiting_;
+  std::vector<Sequence*> running_;
+  int64_t next_arrival_ = 0;
+  int64_t num_preemptions_ = 0;
+};
+
+}  // namespace deepinfer

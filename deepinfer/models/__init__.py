@@ -1,0 +1,24 @@
+"""Model registry. Every model class follows one protocol (see ModelRunner):
+
+    __init__(hf_config, dtype)
+    block_size_multiple: int                  # block_size must be a multiple of this
+    cache_spec(block_size, kv_cache_dtype) -> CacheSpec
+    bind_cache(paged: dict[str, Tensor], state: dict[str, Tensor]) -> None
+    forward(input_ids [T], meta: AttentionMetadata) -> hidden [T, H]
+    compute_logits(hidden [N, H]) -> logits [N, V] (fp32)
+    load_weights(weights: Iterable[(hf_name, Tensor)]) -> None   # raises on missing/extra/misshapen
+"""
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "deepinfer.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "DeepseekV4ForCausalLM": "deepinfer.models.deepseek_v4:DeepseekV4ForCausalLM",
+}
+
+
+def get_model_class(architecture: str):
+    if architecture not in _MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(_MODELS)}")
+    module, name = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module), name)

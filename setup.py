@@ -1,0 +1,30 @@
+"""Builds the C++ core deepinfer._C (scheduler, block manager, input prep, CPU kernels) with pybind11."""
+import glob
+import os
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_packages, setup
+
+DEBUG = os.environ.get("DEEPINFER_DEBUG", "0") == "1"
+# Invariant checks (DI_CHECK) compile in for debug builds only; release keeps the hot path lean.
+macros = [] if DEBUG else [("NDEBUG", "1")]
+flags = ["-O0", "-g"] if DEBUG else ["-O3", "-march=native", "-fopenmp"]
+
+ext = Pybind11Extension(
+    "deepinfer._C",
+    sorted(glob.glob("csrc/**/*.cpp", recursive=True)),
+    include_dirs=["csrc"],
+    cxx_std=17,
+    define_macros=macros,
+    extra_compile_args=flags + (["-fopenmp"] if DEBUG else []),
+    extra_link_args=["-fopenmp"],
+)
+
+setup(
+    name="deepinfer",
+    version="0.1.0",
+    packages=find_packages(include=["deepinfer*", "eplb*", "tilelang_ops*"]),
+    ext_modules=[ext],
+    cmdclass={"build_ext": build_ext},
+    python_requires=">=3.10",
+)
