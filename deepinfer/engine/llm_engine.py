@@ -1,0 +1,270 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
+
+Python keeps what only Python needs per sequence (sampling parameters, generator, logprobs,
+detokenised text); the C++ Scheduler owns tokens, blocks and state slots."""
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer import _C
+from deepinfer.config import EngineConfig, hf_get
+from deepinfer.engine.cache_engine import CacheEngine
+from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.layers.sampler import SamplingBatch
+from deepinfer.models.loader import load_model, load_tokenizer
+from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer")
+
+_ENGINE_TYPES = {"normal": _C.EngineType.NORMAL, "prompt": _C.EngineType.PROMPT,
+                 "completion": _C.EngineType.COMPLETION}
+_REASONS = {_C.FinishReason.STOP: "stop", _C.FinishReason.LENGTH: "length",
+            _C.FinishReason.ERROR: "error", _C.FinishReason.ABORT: "abort"}
+
+
+@dataclass
+class SeqState:
+    request_id: str
+    index: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seq_ids: list[int]
+    metrics: RequestMetrics
+
+
+@dataclass
+class Handoff:
+    """A PROMPT engine's finished prefill: what a COMPLETION engine needs to continue it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    params: SamplingParams
+    kv: dict[str, torch.Tensor]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.model, self.hf_config = load_model(config.model, config.dtype)
+        config.fill_defaults(self.hf_config)
+        self.tokenizer = load_tokenizer(config.model)
+        self.vocab_size = self.hf_config.vocab_size
+        if config.block_size % self.model.block_size_multiple:
+            raise ValueError(f"LLM(block_size={config.block_size}) must be a multiple of "
+                             f"{self.model.block_size_multiple} for this model")
+        spec = self.model.cache_spec(config.block_size, config.kv_cache_dtype)
+        self.cache = CacheEngine(spec, config.kv_cache_memory, config.max_num_seqs, config.block_size)
+        self.model.bind_cache(self.cache.paged, self.cache.state)
+        self.cache.log_memory_plan(config.max_model_len)
+        self.scheduler = _C.Scheduler(self._scheduler_config())
+        self.runner = ModelRunner(self.model, config.block_size, config.seed)
+        self.seqs: dict[int, SeqState] = {}
+        self.requests: dict[str, Request] = {}
+        self.handoffs: list[Handoff] = []
+        self._seq_counter = itertools.count()
+
+    def _scheduler_config(self):
+        c = _C.SchedulerConfig()
+        c.max_num_seqs, c.max_model_len = self.config.max_num_seqs, self.config.max_model_len
+        c.max_num_batched_tokens, c.block_size = self.config.max_num_batched_tokens, self.config.block_size
+        c.num_blocks, c.num_state_slots = self.cache.num_blocks, self.config.max_num_seqs
+        c.engine_type = _ENGINE_TYPES[self.config.engine_type]
+        c.eos_token_ids = self.eos_token_ids()
+        return c
+
+    def eos_token_ids(self) -> list[int]:
+        eos = hf_get(self.hf_config, "eos_token_id")
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+        return [int(i) for i in ids if i is not None and i >= 0]
+
+    def validate_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the request index; changes no state."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {index}: sampling params must be SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError(f"request {index}: prompt is empty")
+        if n >= self.config.max_model_len:
+            raise ValueError(f"request {index}: prompt has {n} tokens; max_model_len="
+                             f"{self.config.max_model_len} leaves no room for output")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {index}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"request {index}: stop strings need a tokenizer and the model ships none")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        limits = _C.SamplingLimits(params.max_tokens or self.config.max_model_len, params.min_tokens,
+                                   params.ignore_eos, params.stop_token_ids)
+        seq_ids = []
+        for index in range(params.n):
+            seq_id = next(self._seq_counter)
+            gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
+            self.seqs[seq_id] = SeqState(request_id, index, params, gen)
+            self.scheduler.add_sequence(seq_id, prompt_token_ids, limits)
+            seq_ids.append(seq_id)
+        metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
+        self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seq_ids, metrics)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> tuple[list[RequestOutput], int]:
+        """Runs one step. Returns the requests that finished in it and the tokens it processed."""
+        batch = self.scheduler.schedule()
+        if batch.type == _C.StepType.IDLE:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler has unfinished sequences but could schedule none")
+            return [], 0
+        for seq_id in batch.preempted:
+            self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
+        states = [self.seqs[s] for s in batch.seq_ids]
+        out = self.runner.execute(batch, self._sampling_batch(states))
+        results = self.scheduler.process(batch, out.tokens.tolist())
+        finished = set()
+        for row, res in enumerate(results):
+            if self._apply(row, res, out, batch):
+                finished.add(self.seqs[res.seq_id].request_id)
+        return [self._finish_request(r) for r in finished if self._request_done(r)], batch.num_tokens
+
+    def _sampling_batch(self, states: list[SeqState]) -> SamplingBatch:
+        p = [s.params for s in states]
+        logprobs = [s.params.logprobs for s in states if s.params.logprobs is not None]
+        return SamplingBatch(
+            temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32),
+            top_k=torch.tensor([x.top_k for x in p], dtype=torch.int64),
+            top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32),
+            min_p=torch.tensor([x.min_p for x in p], dtype=torch.float32),
+            generators=[s.generator for s in states],
+            num_logprobs=max(logprobs) if logprobs else -1,
+        )
+
+    def _apply(self, row: int, res, out, batch) -> bool:
+        """Records one sequence's step result; returns whether the sequence finished."""
+        state = self.seqs[res.seq_id]
+        metrics = self.requests[state.request_id].metrics
+        if res.token >= 0:
+            state.token_ids.append(res.token)
+            metrics.num_generation_tokens += 1
+            if metrics.first_token_time is None:
+                metrics.first_token_time = time.monotonic()
+            self._record_logprobs(state, row, out)
+        if res.reason == _C.FinishReason.HANDOFF:
+            self._hand_off(res.seq_id, state)
+            return True
+        if res.finished:
+            state.finish_reason = _REASONS[res.reason]
+            state.stop_reason = res.stop_token if res.stop_token >= 0 else None
+            if res.reason == _C.FinishReason.ERROR:
+                state.error = "non-finite logits"
+        if state.params.stop_strings and self._hit_stop_string(state) and not res.finished:
+            self.scheduler.finish(res.seq_id, _C.FinishReason.STOP)
+        return state.finish_reason is not None
+
+    def _record_logprobs(self, state: SeqState, row: int, out) -> None:
+        if out.token_logprob is None:
+            return
+        logprob = float(out.token_logprob[row])
+        state.cumulative_logprob += logprob
+        n = state.params.logprobs
+        if n is None:
+            return
+        entry = {state.token_ids[-1]: Logprob(logprob, int(out.token_rank[row]))}
+        if n:
+            top = zip(out.topk_ids[row, :n].tolist(), out.topk_logprobs[row, :n].tolist())
+            for rank, (tok, value) in enumerate(top):
+                entry.setdefault(tok, Logprob(value, rank + 1))
+        state.logprobs.append(entry)
+
+    def _hit_stop_string(self, state: SeqState) -> bool:
+        """Decodes the output and cuts it at the first stop string; True if one was found."""
+        text = self.tokenizer.decode(state.token_ids, skip_special_tokens=state.params.skip_special_tokens)
+        hits = [(text.find(s), s) for s in state.params.stop_strings if s in text]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        state.text = text[:pos + len(stop)] if state.params.include_stop_str_in_output else text[:pos]
+        state.finish_reason, state.stop_reason = "stop", stop
+        return True
+
+    def _request_done(self, request_id: str) -> bool:
+        return all(self.seqs[s].finish_reason is not None for s in self.requests[request_id].seq_ids)
+
+    def _finish_request(self, request_id: str) -> RequestOutput:
+        req = self.requests.pop(request_id)
+        req.metrics.finished_time = time.monotonic()
+        outputs = [self._completion(self.seqs.pop(s)) for s in req.seq_ids]
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, True, req.metrics)
+
+    def _completion(self, state: SeqState) -> CompletionOutput:
+        if state.stop_reason is None or not isinstance(state.stop_reason, str):
+            state.text = self._decode(state.token_ids, state.params.skip_special_tokens)
+        for entry in state.logprobs:
+            for tok, lp in entry.items():
+                lp.decoded_token = self._decode([tok], False)
+        return CompletionOutput(state.index, state.text, state.token_ids,
+                                state.cumulative_logprob if state.params.logprobs is not None else None,
+                                state.logprobs if state.params.logprobs is not None else None,
+                                state.finish_reason, state.stop_reason, state.error)
+
+    def _decode(self, token_ids: list[int], skip_special: bool) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
+
+    def abort_all(self) -> None:
+        """Ends every unfinished sequence (after an exception) so the engine stays usable."""
+        for seq_id in list(self.seqs):
+            try:
+                self.scheduler.finish(seq_id, _C.FinishReason.ABORT)
+            except ValueError:
+                pass  # already gone from the scheduler (finished in C++ this step)
+        self.seqs.clear()
+        self.requests.clear()
+
+    # Disaggregation: PROMPT engines export prefilled sequences, COMPLETION engines import them.
+    def _hand_off(self, seq_id: int, state: SeqState) -> None:
+        seq = self.scheduler.sequence(seq_id)
+        kv = self.cache.export(list(seq.block_table), seq.state_slot)
+        self.scheduler.release(seq_id)
+        req = self.requests[state.request_id]
+        self.handoffs.append(Handoff(state.request_id, req.prompt_token_ids, list(seq.token_ids), state.params, kv))
+        state.finish_reason = "handoff"
+
+    def import_handoff(self, h: Handoff) -> bool:
+        """COMPLETION: admits a prefilled sequence with its KV. False if the pools are full now."""
+        p = h.params
+        limits = _C.SamplingLimits(p.max_tokens or self.config.max_model_len, p.min_tokens, p.ignore_eos,
+                                   p.stop_token_ids)
+        seq_id = next(self._seq_counter)
+        if not self.scheduler.import_sequence(seq_id, h.token_ids, len(h.prompt_token_ids), limits):
+            return False
+        seq = self.scheduler.sequence(seq_id)
+        self.cache.load(list(seq.block_table), seq.state_slot, h.kv)
+        gen = None if p.seed is None else torch.Generator().manual_seed(p.seed)
+        state = SeqState(h.request_id, 0, p, gen, token_ids=h.token_ids[len(h.prompt_token_ids):])
+        self.seqs[seq_id] = state
+        metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(h.prompt_token_ids))
+        self.requests[h.request_id] = Request(h.request_id, None, h.prompt_token_ids, [seq_id], metrics)
+        return True

@@ -1,0 +1,41 @@
+"""Turns a C++ ScheduledBatch into tensors, runs the model forward and the sampler."""
+import torch
+
+from deepinfer import _C
+from deepinfer.layers.attention_metadata import AttentionMetadata
+from deepinfer.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+
+
+class ModelRunner:
+    def __init__(self, model, block_size: int, seed: int):
+        self.model, self.block_size = model, block_size
+        self.sampler = Sampler(seed)
+
+    def prepare(self, batch) -> tuple[torch.Tensor, AttentionMetadata]:
+        """ScheduledBatch -> (input_ids [T], metadata). The arrays come from C++ input prep."""
+        qsl = torch.from_numpy(batch.query_start_loc).long()
+        ctx = torch.from_numpy(batch.context_lens).long()
+        meta = AttentionMetadata(
+            is_prefill=batch.type == _C.StepType.PREFILL,
+            positions=torch.from_numpy(batch.positions),
+            slot_mapping=torch.from_numpy(batch.slot_mapping),
+            query_start_loc=qsl,
+            context_lens=ctx,
+            block_tables=torch.from_numpy(batch.block_tables).long(),
+            state_slots=torch.from_numpy(batch.state_slots).long(),
+            block_size=self.block_size,
+            max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            max_context_len=int(ctx.max()),
+        )
+        return torch.from_numpy(batch.input_ids), meta
+
+    @torch.inference_mode()
+    def logits(self, batch) -> torch.Tensor:
+        """[B, V] fp32 logits at each sequence's last token."""
+        input_ids, meta = self.prepare(batch)
+        hidden = self.model(input_ids, meta)
+        return self.model.compute_logits(hidden[meta.last_token_indices])
+
+    @torch.inference_mode()
+    def execute(self, batch, sampling: SamplingBatch) -> SamplerOutput:
+        return self.sampler(self.logits(batch), sampling)

@@ -1,0 +1,38 @@
+"""Paged attention over block tables (torch), used for both prefill (varlen) and decode."""
+import torch
+import torch.nn.functional as F
+
+from deepinfer.layers.attention_metadata import AttentionMetadata
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache, v_cache [num_blocks, block_size, Hkv, D]; k, v [T, Hkv, D]; slot_mapping [T]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D] over each sequence's cached keys (causal) -> [T, H, D].
+
+    Keys are gathered per sequence through its block table into [B, max_blocks * block_size];
+    queries are padded to [B, max_query_len]; one masked SDPA call covers the batch."""
+    block_tables = meta.block_tables.clamp(min=0)
+    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)    # [B, Hkv, L, D]
+    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    q_idx, q_valid = _padded_query_index(meta)
+    queries = q[q_idx].transpose(1, 2)                             # [B, H, Qmax, D]
+    q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_query_len)
+    mask = torch.arange(keys.shape[2])[None, None, :] <= q_pos[:, :, None]   # [B, Qmax, L]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
+                                         scale=scale, enable_gqa=queries.shape[1] != keys.shape[1])
+    return out.transpose(1, 2)[q_valid]
+
+
+def _padded_query_index(meta: AttentionMetadata):
+    """[B, Qmax] row of each padded query slot (clamped) and [B, Qmax] whether it is real."""
+    offsets = torch.arange(meta.max_query_len)
+    q_valid = offsets[None, :] < meta.query_lens[:, None]
+    q_idx = (meta.query_start_loc[:-1, None] + offsets[None, :]).clamp(max=meta.positions.shape[0] - 1)
+    return q_idx, q_valid

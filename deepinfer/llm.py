@@ -1,0 +1,113 @@
+"""LLM: the offline batch API. generate() validates every request before any work starts, runs
+the engine until all are done and returns outputs in input order."""
+import logging
+import time
+
+from tqdm.auto import tqdm
+
+from deepinfer.config import EngineConfig, parse_dtype
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer")
+
+
+class LLM:
+    """model: an HF model directory, a .gguf file or a directory holding one.
+    kv_cache_memory: bytes for both KV pools (paged blocks plus one StateBlock per max_num_seqs).
+    max_model_len: defaults to the model's max_position_embeddings; max_num_batched_tokens to
+    max(8192, max_model_len).
+    engine_type: "normal" (prefill and decode), "prompt" (prefill, then hand off) or "completion"."""
+
+    def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,
+                 block_size: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
+                 engine_type: str = "normal"):
+        config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
+                              kv_cache_memory=kv_cache_memory, block_size=block_size,
+                              kv_cache_dtype=kv_cache_dtype, seed=seed, engine_type=engine_type)
+        self.engine = LLMEngine(config)
+        self._request_counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
+        dicts with "prompt" or "prompt_token_ids". Returns one RequestOutput per prompt, in order."""
+        items = self._normalise_prompts(prompts)
+        params = self._normalise_params(sampling_params, len(items))
+        for i, ((_, ids), p) in enumerate(zip(items, params)):
+            self.engine.validate_request(i, ids, p)
+        request_ids = []
+        for (text, ids), p in zip(items, params):
+            request_ids.append(str(self._request_counter))
+            self._request_counter += 1
+            self.engine.add_request(request_ids[-1], ids, p, prompt=text)
+        try:
+            outputs = self._run(len(items), use_tqdm)
+        except BaseException:
+            self.engine.abort_all()
+            raise
+        return [outputs[r] for r in request_ids]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (list of {"role", "content"}) or a list of them; the chat
+        template comes from the model's tokenizer."""
+        tok = self._require_tokenizer("chat")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, in_tokens, out_tokens = time.perf_counter(), 0, 0
+        while self.engine.has_unfinished():
+            finished, _ = self.engine.step()
+            for out in finished:
+                outputs[out.request_id] = out
+                in_tokens += len(out.prompt_token_ids)
+                out_tokens += sum(len(c.token_ids) for c in out.outputs)
+            if finished:
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s, output: {out_tokens / elapsed:.1f} toks/s")
+                bar.update(len(finished))
+        bar.close()
+        return outputs
+
+    def _normalise_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty string, list of strings, or list of token-id lists")
+        return [self._one_prompt(i, p) for i, p in enumerate(prompts)]
+
+    def _one_prompt(self, index: int, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self._require_tokenizer(f"request {index}: text prompt").encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"request {index}: prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _normalise_params(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return list(params)
+
+    def _require_tokenizer(self, what: str):
+        if self.engine.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, and the model directory has none")
+        return self.engine.tokenizer

@@ -1,0 +1,151 @@
+"""Llama-family dense decoder (also the base Qwen3-MoE builds on): fused QKV and gate/up
+projections, optional per-head q/k RMSNorm, rotary, paged attention."""
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.config import hf_get, rope_scaling, rope_theta
+from deepinfer.engine.cache_spec import CacheSpec, CacheTensor
+from deepinfer.layers.attention import paged_attention, store_kv
+from deepinfer.layers.attention_metadata import AttentionMetadata
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import RotaryEmbedding
+from deepinfer.models.weights import WeightLoader
+
+
+def _linear(n_in: int, n_out: int | list[int], dtype, bias: bool = False) -> nn.Linear:
+    """n_out as a list makes a fused projection whose row blocks load from separate HF tensors."""
+    shards = n_out if isinstance(n_out, list) else None
+    layer = nn.Linear(n_in, sum(shards) if shards else n_out, bias=bias, dtype=dtype)
+    layer.requires_grad_(False)
+    for p in layer.parameters():
+        p.shard_sizes = shards
+    return layer
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, dtype, rotary: RotaryEmbedding, qk_norm: bool):
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = hf_get(cfg, "num_key_value_heads", default=self.num_heads)
+        self.head_dim = hf_get(cfg, "head_dim", default=hidden // self.num_heads)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(hf_get(cfg, "attention_bias", default=False))
+        self.qkv_proj = _linear(hidden, [self.q_size, self.kv_size, self.kv_size], dtype, bias)
+        self.o_proj = _linear(self.q_size, hidden, dtype, bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps).to(dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps).to(dtype) if qk_norm else None
+        self.rotary = rotary
+        self.k_cache = self.v_cache = None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(meta.positions, q, k)
+        store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype):
+        super().__init__()
+        self.gate_up_proj = _linear(hidden, [intermediate, intermediate], dtype)
+        self.down_proj = _linear(intermediate, hidden, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, dtype, rotary, mlp: nn.Module, qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(cfg, dtype, rotary, qk_norm)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    block_size_multiple = 1
+    qk_norm = False
+
+    def __init__(self, cfg, dtype: torch.dtype):
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        head_dim = hf_get(cfg, "head_dim", default=cfg.hidden_size // cfg.num_attention_heads)
+        max_pos = hf_get(cfg, "max_position_embeddings", default=4096)
+        self.rotary = RotaryEmbedding(head_dim, max_pos, rope_theta(cfg), rope_scaling(cfg))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype).requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, self.rotary, self.make_mlp(cfg, i, dtype), self.qk_norm)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
+        self.tie_word_embeddings = bool(hf_get(cfg, "tie_word_embeddings", default=False))
+        self.lm_head = None if self.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype)
+
+    def make_mlp(self, cfg, layer: int, dtype) -> nn.Module:
+        return MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def cache_spec(self, block_size: int, kv_cache_dtype: str) -> CacheSpec:
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is only supported by DeepSeek-V4 models")
+        attn = self.layers[0].self_attn
+        per_block = CacheTensor((block_size, attn.num_kv_heads, attn.head_dim), self.dtype)
+        spec = CacheSpec()
+        for i in range(len(self.layers)):
+            spec.paged[f"layers.{i}.k"] = per_block
+            spec.paged[f"layers.{i}.v"] = per_block
+        return spec
+
+    def bind_cache(self, paged: dict, state: dict) -> None:
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.k_cache = paged[f"layers.{i}.k"]
+            layer.self_attn.v_cache = paged[f"layers.{i}.v"]
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self)
+        for name, tensor in weights:
+            if not self.skip_weight(name):
+                loader.load(self.hf_to_param(name), tensor, name)
+        loader.finish()
+
+    def skip_weight(self, name: str) -> bool:
+        # Old checkpoints carry rotary tables; tied heads may be saved twice.
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def hf_to_param(self, name: str) -> tuple[str, int | None, int | None]:
+        """HF tensor name -> (our parameter, expert index or None, shard of a fused parameter or None)."""
+        name = name.removeprefix("model.")
+        for part, (fused, shard) in _FUSED.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), None, shard
+        return name, None, None
+
+
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

@@ -1,0 +1,172 @@
+"""Model directories and files: Hugging Face format (config.json + safetensors) and GGUF
+(dequantised through the `gguf` package). Every failure names the file at fault."""
+import glob
+import hashlib
+import json
+import os
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from deepinfer.models import get_model_class
+
+
+def load_model(path: str, dtype: torch.dtype):
+    """path: an HF model directory, a .gguf file, or a directory holding one .gguf file.
+    Returns (model in eval mode with weights loaded, hf_config)."""
+    gguf_file = find_gguf(path)
+    hf_config = gguf_config(gguf_file) if gguf_file else hf_dir_config(path)
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"{path}: config has no 'architectures' entry")
+    model = get_model_class(archs[0])(hf_config, dtype)
+    weights = gguf_weights(gguf_file, hf_config) if gguf_file else safetensors_weights(path)
+    with torch.no_grad():
+        model.load_weights(weights)
+    return model.eval(), hf_config
+
+
+def find_gguf(path: str) -> str | None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model file {path!r} is not a .gguf file; pass a model directory")
+        return path
+    if os.path.exists(os.path.join(path, "config.json")):
+        return None
+    found = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(found) != 1:
+        raise FileNotFoundError(f"{path!r} has no config.json and {len(found)} .gguf files (need exactly one)")
+    return found[0]
+
+
+def hf_dir_config(path: str):
+    from transformers import AutoConfig
+
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path) as f:
+            json.load(f)
+        return AutoConfig.from_pretrained(path)
+    except (json.JSONDecodeError, ValueError, KeyError) as e:
+        raise ValueError(f"{config_path}: cannot parse model config: {e}") from e
+
+
+def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path!r} has no .safetensors files")
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt")
+        except Exception as e:
+            raise ValueError(f"{file}: not a readable safetensors file: {e}") from e
+        with handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _gguf_reader(file: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(file)
+    except Exception as e:
+        raise ValueError(f"{file}: not a readable GGUF file: {e}") from e
+
+
+def _field(reader, key, file, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise ValueError(f"{file}: GGUF metadata lacks {key!r}")
+        return default
+    return field.contents()
+
+
+def gguf_config(file: str):
+    """A transformers LlamaConfig from GGUF metadata (only the llama architecture is mapped)."""
+    from transformers import LlamaConfig
+
+    reader = _gguf_reader(file)
+    arch = _field(reader, "general.architecture", file)
+    if arch != "llama":
+        raise ValueError(f"{file}: GGUF architecture {arch!r} is not supported (llama only)")
+    get = lambda key, default=None: _field(reader, f"llama.{key}", file, default)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    heads = get("attention.head_count")
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=get("embedding_length"),
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        max_position_embeddings=get("context_length"),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))},
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", file, -1),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", file, -1),
+    )
+
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_weights(file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(file)
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "rope_freqs":
+            continue
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{_GGUF_NAMES.get(parts[2], parts[2])}.{parts[3]}"
+        else:
+            name = f"{_GGUF_NAMES.get(parts[0], parts[0])}.{parts[1]}"
+        try:
+            weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), copy=True))
+        except Exception as e:
+            raise ValueError(f"{file}: cannot dequantise tensor {tensor.name!r}: {e}") from e
+        yield name, _unpermute_qk(parts, weight, hf_config)
+
+
+def _unpermute_qk(parts: list[str], w: torch.Tensor, cfg) -> torch.Tensor:
+    """llama.cpp's converter interleaves the rotary halves of q and k rows; undo it for the
+    rotate-half convention transformers (and we) use."""
+    if parts[0] != "blk" or parts[2] not in ("attn_q", "attn_k"):
+        return w
+    heads = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer (and chat template) from the model directory, or converted once from a GGUF
+    file's metadata and cached beside the user's other caches. None if the model ships none."""
+    from transformers import AutoTokenizer
+
+    gguf_file = find_gguf(path)
+    if gguf_file is None:
+        has_tok = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+        return AutoTokenizer.from_pretrained(path) if has_tok else None
+    stat = os.stat(gguf_file)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = os.path.join(os.path.expanduser("~/.cache/deepinfer/tokenizers"), key)
+    if os.path.exists(os.path.join(cache, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cache)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    tok.save_pretrained(cache)
+    return tok

@@ -1,0 +1,69 @@
+"""Tiny random checkpoints made with transformers' config classes (no hub), plus a small
+trained tokenizer so text paths are exercised too."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_VOCAB = 256
+
+
+def _save_tokenizer(path: str, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, stop here. the end",
+              "paris is the capital of france", "one two three four five six seven eight nine ten"] * 50
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+def make_llama(path: str, **overrides) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=TINY_VOCAB + 6, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(path)
+    _save_tokenizer(path, TINY_VOCAB)
+    return path
+
+
+def make_qwen3_moe(path: str, **overrides) -> str:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = dict(vocab_size=TINY_VOCAB + 6, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+               bos_token_id=1, eos_token_id=2)
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg))
+    # transformers initialises the router to zeros; random routers make routing matter.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    _save_tokenizer(path, TINY_VOCAB)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> str:
+    return make_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")))
