@@ -1,0 +1,41 @@
+"""The one dispatch point: get_op(name) -> callable that runs the TileLang kernel when its tensors are on
+CUDA and the torch reference everywhere else (the C target is for tests, not for the CPU engine)."""
+import importlib
+
+import torch
+
+# name -> (module, kernel, reference)
+OPS = {
+    "kv_store": ("kv_store", "kv_store", "kv_store_ref"),
+    "kv_load": ("kv_load", "kv_load", "kv_load_ref"),
+    "v4_decode_attention": ("v4_decode_attention", "v4_decode_attention", "v4_decode_attention_ref"),
+    "verify_len": ("verify_len", "verify_len", "verify_len_ref"),
+    "sample": ("sampling", "sample", "sample_ref"),
+    "apply_token_mask": ("token_mask", "apply_token_mask", "apply_token_mask_ref"),
+}
+
+
+def _first_tensor(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def get_op(name: str, impl: str = "auto"):
+    """impl: 'auto' (kernel on CUDA tensors, reference otherwise), 'kernel' or 'reference'."""
+    if name not in OPS:
+        raise ValueError(f"unknown op {name!r}; known: {sorted(OPS)}")
+    if impl not in ("auto", "kernel", "reference"):
+        raise ValueError(f"impl must be 'auto', 'kernel' or 'reference', got {impl!r}")
+    mod, kern, ref = OPS[name]
+    m = importlib.import_module(f"tilelang_ops.{mod}")
+    if impl != "auto":
+        return getattr(m, kern if impl == "kernel" else ref)
+
+    def op(*args, **kwargs):
+        t = _first_tensor(args, kwargs)
+        fn = getattr(m, kern) if t is not None and t.is_cuda else getattr(m, ref)
+        return fn(*args, **kwargs)
+    op.__name__ = name
+    return op
