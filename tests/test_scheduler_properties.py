@@ -1,0 +1,125 @@
+"""Property tests: random add / schedule / process / finish / preempt sequences through the C++
+core never leak or double-free blocks, keep reference counts consistent and lose no request."""
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deepinfer import _C
+
+EOS = 1
+
+
+def make_scheduler(num_blocks, block_size, max_num_seqs, engine_type=_C.EngineType.NORMAL, max_model_len=48):
+    c = _C.SchedulerConfig()
+    c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len = max_num_seqs, 64, max_model_len
+    c.block_size, c.num_blocks, c.num_state_slots = block_size, num_blocks, max_num_seqs
+    c.engine_type, c.eos_token_ids = engine_type, [EOS]
+    return _C.Scheduler(c)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 20)),
+    st.tuples(st.just("step"), st.integers(0, 10_000), st.booleans()),
+    st.tuples(st.just("abort"), st.integers(0, 10_000), st.booleans()),
+), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(ops=ops, num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 16]),
+       max_num_seqs=st.integers(1, 6))
+def test_random_traces_keep_invariants(ops, num_blocks, block_size, max_num_seqs):
+    sched = make_scheduler(num_blocks, block_size, max_num_seqs)
+    live, finished, next_id = {}, {}, 0
+    for op in ops:
+        if op[0] == "add":
+            sched.add_sequence(next_id, [7] * op[1], _C.SamplingLimits(op[2]))
+            live[next_id], next_id = op[2], next_id + 1
+        elif op[0] == "step":
+            _step(sched, live, finished, eos_seed=op[1] if op[2] else None)
+        elif live:
+            victim = sorted(live)[op[1] % len(live)]
+            sched.finish(victim, _C.FinishReason.ABORT)
+            finished[victim] = "abort"
+            del live[victim]
+        sched.check_invariants()
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            break
+        _step(sched, live, finished, eos_seed=None)
+    assert not live and sorted(finished) == list(range(next_id))
+    assert sched.block_manager.num_free_blocks == num_blocks
+    assert sched.num_free_state_slots == max_num_seqs
+    sched.check_invariants()
+
+
+def _step(sched, live, finished, eos_seed):
+    batch = sched.schedule()
+    if batch.type == _C.StepType.IDLE:
+        assert not sched.has_unfinished()
+        return
+    assert all(s in live for s in batch.seq_ids)
+    assert len(set(batch.seq_ids)) == len(batch.seq_ids) <= sched.num_running
+    tokens = [EOS if eos_seed is not None and (eos_seed + s) % 3 == 0 else 9 for s in batch.seq_ids]
+    for out in sched.process(batch, tokens):
+        if out.finished:
+            assert out.seq_id not in finished, "a request finished twice"
+            finished[out.seq_id] = out.reason
+            del live[out.seq_id]
+
+
+def test_decode_preempts_longest_output_and_recomputes():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4, max_model_len=16)
+    for sid in range(2):
+        sched.add_sequence(sid, [3] * 3, _C.SamplingLimits(20))
+    batch = sched.schedule()
+    assert batch.type == _C.StepType.PREFILL and list(batch.seq_ids) == [0, 1]
+    sched.process(batch, [9, 9])
+    for step in range(6):
+        batch = sched.schedule()
+        if list(batch.preempted):
+            break
+        sched.process(batch, [9] * batch.num_seqs)
+    assert list(batch.preempted) == [1], "the later (longest-output on ties: last) sequence is evicted"
+    assert sched.sequence(1).num_computed_tokens == 0 and sched.num_waiting == 1
+    sched.check_invariants()
+
+
+def test_prefill_respects_token_budget_and_fcfs():
+    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=8)
+    for sid, n in enumerate([30, 30, 5]):
+        sched.add_sequence(sid, [3] * n, _C.SamplingLimits(4))
+    batch = sched.schedule()
+    assert list(batch.seq_ids) == [0, 1] and batch.num_tokens == 60
+    assert list(batch.query_start_loc) == [0, 30, 60]
+    assert list(batch.positions[:3]) == [0, 1, 2]
+
+
+def test_block_manager_refcounts():
+    bm = _C.BlockManager(4, 16)
+    blocks = bm.allocate(3)
+    bm.incref(blocks[:1])
+    bm.free(blocks)
+    assert bm.num_free_blocks == 3 and bm.ref_count(blocks[0]) == 1
+    bm.free(blocks[:1])
+    assert bm.num_free_blocks == 4
+    bm.check()
+    try:
+        bm.free(blocks[:1])
+        raise AssertionError("double free accepted")
+    except ValueError as e:
+        assert "double free" in str(e)
+
+
+def test_prompt_engine_hands_off_and_completion_imports():
+    prompt = make_scheduler(20, 4, 2, _C.EngineType.PROMPT)
+    prompt.add_sequence(0, [3] * 6, _C.SamplingLimits(5))
+    batch = prompt.schedule()
+    (out,) = prompt.process(batch, [9])
+    assert out.finished and out.reason == _C.FinishReason.HANDOFF
+    seq = prompt.sequence(0)
+    assert seq.status == _C.SequenceStatus.HANDED_OFF and len(seq.block_table) == 2
+    prompt.release(0)
+    assert prompt.block_manager.num_free_blocks == 20
+    completion = make_scheduler(20, 4, 2, _C.EngineType.COMPLETION)
+    assert completion.import_sequence(5, list(seq.token_ids), 6, _C.SamplingLimits(5))
+    batch = completion.schedule()
+    assert batch.type == _C.StepType.DECODE and list(batch.positions) == [6]
