@@ -1,0 +1,446 @@
+"""DeepSeek-V4 (model_type `deepseek_v4`), matching transformers' DeepseekV4ForCausalLM token for token.
+
+Block: mHC streams -> collapse -> RMSNorm -> attention (deepinfer/layers/v4_attention.py: sliding / CSA /
+HCA) -> expand+mix -> collapse -> RMSNorm -> MoE (hash-routed or top-k routed, plus one shared expert)
+-> expand+mix. The streams are collapsed by the HyperHead before the final norm.
+
+Cache (see cache_spec): compressed KV and indexer keys in the paged pool, the sliding-window ring and the
+compression accumulators in the state pool, so prefill and decode only read and write the two pools.
+"""
+import math
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.engine.cache_spec import CacheSpec, CacheTensor
+from deepinfer.layers import fp4
+from deepinfer.layers.attention_metadata import AttentionMetadata
+from deepinfer.layers.hyper_connection import HyperConnection, HyperHead, hc_merge
+from deepinfer.layers.v4_attention import (EntryPool, Linear, RMSNorm, Rope, V4Attention, _param)
+from deepinfer.models.weights import WeightLoader
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+MLP_TYPES = ("hash_moe", "moe")
+SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+
+
+def _cfg(cfg, name, default=None):
+    return getattr(cfg, name, default)
+
+
+def validate_config(cfg) -> dict:
+    """Check what this implementation relies on; returns {layer_type: compress rate} for the types used.
+    Every error names the config key."""
+    n = cfg.num_hidden_layers
+    for key, types, allowed in (("layer_types", cfg.layer_types, LAYER_TYPES),
+                                ("mlp_layer_types", cfg.mlp_layer_types, MLP_TYPES)):
+        if types is None or len(types) != n:
+            raise ValueError(f"config.{key} must list {n} entries (num_hidden_layers), got {types!r}")
+        for i, t in enumerate(types):
+            if t not in allowed:
+                raise ValueError(f"config.{key}[{i}] = {t!r} is not a DeepSeek-V4 layer type; expected one of {allowed}")
+    rates = {}
+    for t in set(cfg.layer_types) - {SLIDING}:
+        r = (cfg.compress_rates or {}).get(t)
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ValueError(f"config.compress_rates[{t!r}] = {r!r}: the cache lays out one compressed entry per "
+                             f"`rate` source tokens, so it must be a positive integer")
+        rates[t] = r
+    if _cfg(cfg, "num_key_value_heads", 1) != 1:
+        raise ValueError(f"config.num_key_value_heads = {cfg.num_key_value_heads}: DeepSeek-V4 is shared-KV MQA (1)")
+    if cfg.scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"config.scoring_func = {cfg.scoring_func!r}; expected one of {SCORING_FUNCS}")
+    if _cfg(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"config.hidden_act = {cfg.hidden_act!r}; DeepSeek-V4 experts are SwiGLU ('silu')")
+    rope_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+    if rope_dim % 2 or rope_dim > cfg.head_dim or (CSA in rates and rope_dim > cfg.index_head_dim):
+        raise ValueError(f"config.partial_rotary_factor = {cfg.partial_rotary_factor} gives rope dim {rope_dim}, "
+                         f"which must be even and fit head_dim ({cfg.head_dim}) and index_head_dim")
+    if (cfg.num_attention_heads * cfg.head_dim) % cfg.o_groups:
+        raise ValueError(f"config.o_groups = {cfg.o_groups} must divide num_attention_heads * head_dim")
+    return rates
+
+
+def build_rope(cfg, kind: str) -> Rope:
+    """kind 'main' | 'compress' from config.rope_parameters (default or any transformers rope type, e.g. yarn)."""
+    params = cfg.rope_parameters[kind]
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = int(cfg.head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return Rope(inv_freq, 1.0)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None, layer_type=kind)
+    return Rope(inv_freq, scaling)
+
+
+class Router(nn.Module):
+    """Top-k routed (learned topk over score + correction bias) or hash-routed (tid2eid[token]); the learned
+    scores weight the chosen experts either way. Weights are renormalised to sum 1 (always, as the
+    reference) and scaled by routed_scaling_factor."""
+
+    def __init__(self, cfg, is_hash: bool, dtype: torch.dtype):
+        super().__init__()
+        self.is_hash, self.top_k = is_hash, cfg.num_experts_per_tok
+        self.scoring, self.scaling = cfg.scoring_func, cfg.routed_scaling_factor
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype)
+        if is_hash:
+            self.tid2eid = _param(cfg.vocab_size, self.top_k, dtype=torch.int64)
+        else:
+            self.e_score_correction_bias = _param(cfg.n_routed_experts, dtype=torch.float32)
+
+    def score(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scoring == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if self.scoring == "sigmoid":
+            return torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], input_ids [T] -> expert ids [T, k], weights [T, k]."""
+        scores = self.score(F.linear(x, self.weight))
+        if self.is_hash:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, w * self.scaling
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit): V4's swiglu_limit."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Experts(nn.Module):
+    """Routed experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]. Tokens are grouped by
+    expert with one sort; each active expert runs one matmul over its group."""
+
+    def __init__(self, n_experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.n_experts, self.limit = n_experts, limit
+        self.gate_up_proj = _param(n_experts, 2 * inter, hidden, dtype=dtype)
+        self.gate_up_proj.shard_sizes = [inter, inter]
+        self.down_proj = _param(n_experts, hidden, inter, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        token = order // k
+        rows = x[token]
+        out = torch.empty_like(rows)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                end = start + count
+                gate, up = F.linear(rows[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
+                out[start:end] = F.linear(swiglu_clamped(gate, up, self.limit), self.down_proj[e])
+                start = end
+        out *= weights.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = Linear(hidden, inter, dtype)
+        self.up_proj = Linear(hidden, inter, dtype)
+        self.down_proj = Linear(inter, hidden, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, is_hash: bool, dtype: torch.dtype):
+        super().__init__()
+        inter = cfg.moe_intermediate_size  # the shared expert is one MLP of this width, as the reference
+        self.gate = Router(cfg, is_hash, dtype)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, inter, cfg.swiglu_limit, dtype)
+        self.shared_experts = SharedExpert(cfg.hidden_size, inter, cfg.swiglu_limit, dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x, input_ids)
+        return self.experts(x, ids, weights) + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, i: int, rates: dict, dtype: torch.dtype):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.layer_type = cfg.layer_types[i]
+        self.self_attn = V4Attention(cfg, self.layer_type, rates, dtype)
+        self.mlp = MoE(cfg, cfg.mlp_layer_types[i] == "hash_moe", dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(self, streams, input_ids, positions, ropes, meta, replay_start) -> torch.Tensor:
+        """streams [T, N, H] -> [T, N, H]."""
+        cos, sin = ropes["main" if self.layer_type == SLIDING else "compress"]
+        post, comb, x = self.attn_hc(streams)
+        out = self.self_attn(self.input_layernorm(x), positions, cos, sin, meta, replay_start)
+        streams = hc_merge(out, streams, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        return hc_merge(self.mlp(self.post_attention_layernorm(x), input_ids), streams, post, comb)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(vocab, hidden, dtype=dtype)
+
+
+class V4Model(nn.Module):
+    def __init__(self, cfg, rates: dict, dtype: torch.dtype):
+        super().__init__()
+        self.hc_mult = cfg.hc_mult
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rates, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+
+
+# Checkpoint names: DeepSeek's own layout (what save_pretrained writes too) -> transformers' module names.
+# Applied in order, like transformers' conversion mapping for deepseek_v4; names already in transformers'
+# layout pass through unchanged.
+_RENAMES = [(re.compile(p), r) for p, r in [
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_fn", "hc_head.hc_fn"), (r"^hc_head_base", "hc_head.hc_base"), (r"^hc_head_scale", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn", ".attn_hc.fn"), (r"\.hc_attn_base", ".attn_hc.base"), (r"\.hc_attn_scale", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn", ".ffn_hc.fn"), (r"\.hc_ffn_base", ".ffn_hc.base"), (r"\.hc_ffn_scale", ".ffn_hc.scale"),
+    (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."), (r"\.ape", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]]
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_MTP = re.compile(r"^mtp\.(\d+)\.")
+
+
+def hf_to_param(name: str) -> tuple[str, int | None, int | None]:
+    """Checkpoint tensor name -> (parameter name, expert index or None, shard of a fused tensor or None)."""
+    n = name[len("model."):] if name.startswith("model.") else name
+    for pattern, repl in _RENAMES:
+        n = pattern.sub(repl, n)
+    m = _EXPERT.match(n)
+    if m:
+        prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
+        if w == "w2":
+            return f"model.{prefix}.down_proj", e, None
+        return f"model.{prefix}.gate_up_proj", e, 0 if w == "w1" else 1
+    return (n if n == "lm_head.weight" else "model." + n), None, None
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    # Blocks must hold whole compression windows of every layer type, so that entry w of a sequence lives in
+    # block w // (block_size / rate) at a fixed row and no entry's source tokens straddle two blocks (the
+    # entry is written once, when its window closes, into the block of its own tokens). Hence block_size
+    # must be a multiple of lcm(compress rates): 128 for V4 (4 and 128). The instance attribute is computed
+    # from the checkpoint's config; this class default is V4's.
+    block_size_multiple = 128
+    # Extra SWA ring rows beyond the window so rejected draft tokens can be rolled back (draft tokens + 1).
+    # The engine may set it before cache_spec(); 1 when speculation is off.
+    max_backtracking = 1
+
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config, self.dtype = hf_config, dtype
+        self.rates = validate_config(hf_config)
+        self.block_size_multiple = math.lcm(*self.rates.values()) if self.rates else 1
+        self.model = V4Model(hf_config, self.rates, dtype)
+        self.lm_head = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.ropes = {kind: build_rope(hf_config, kind) for kind in ("main", "compress")}
+        for layer in self.model.layers:
+            if layer.self_attn.compressor is not None:
+                layer.self_attn.compressor.rope = self.ropes["compress"]
+                if layer.self_attn.indexer is not None:
+                    layer.self_attn.indexer.rope = self.ropes["compress"]
+        self.mtp_weights: dict[str, torch.Tensor] = {}  # MTP layer(s), kept for speculative decoding
+        self.kv_cache_dtype = None
+
+    # ---- cache ------------------------------------------------------------------------------------------
+
+    @property
+    def ring_len(self) -> int:
+        return self.config.sliding_window + self.max_backtracking
+
+    def cache_spec(self, block_size: int, kv_cache_dtype: str = "auto") -> CacheSpec:
+        """Paged (per block of block_size source tokens) and state (per sequence) tensors of every layer."""
+        if kv_cache_dtype not in ("auto", "fp4"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported for DeepSeek-V4; use 'auto' or 'fp4'")
+        if block_size % self.block_size_multiple:
+            raise ValueError(f"block_size {block_size} cannot hold whole compression windows: compress_rates "
+                             f"{self.rates} need a multiple of {self.block_size_multiple}")
+        cfg, dt = self.config, self.dtype
+        D, Di = cfg.head_dim, cfg.index_head_dim
+        spec = CacheSpec()
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"layers.{i}."
+            spec.state[p + "swa_ring"] = CacheTensor((self.ring_len, D), dt)
+            if kind == SLIDING:
+                continue
+            r = self.rates[kind]
+            main = "csa_kv" if kind == CSA else "hca_kv"
+            self._entry_spec(spec, p + main, block_size // r, D, "nvfp4" if kv_cache_dtype == "fp4" else "auto")
+            spec.state[p + main[:3] + "_buf_kv"] = CacheTensor((r, D * (2 if kind == CSA else 1)), dt)
+            spec.state[p + main[:3] + "_buf_gate"] = CacheTensor((r, D * (2 if kind == CSA else 1)), dt)
+            if kind == CSA:
+                self._entry_spec(spec, p + "indexer_k", block_size // r, Di,
+                                 "mxfp4" if kv_cache_dtype == "fp4" else "auto")
+                spec.state[p + "csa_overlap_kv"] = CacheTensor((r, D), dt)
+                spec.state[p + "csa_overlap_gate"] = CacheTensor((r, D), dt)
+                for part, width in (("buf_kv", 2 * Di), ("buf_gate", 2 * Di), ("overlap_kv", Di), ("overlap_gate", Di)):
+                    spec.state[p + "idx_" + part] = CacheTensor((r, width), dt)
+        self.kv_cache_dtype = kv_cache_dtype
+        return spec
+
+    def _entry_spec(self, spec: CacheSpec, name: str, per_block: int, dim: int, fmt: str) -> None:
+        if fmt == "auto":
+            spec.paged[name] = CacheTensor((per_block, dim), self.dtype)
+            return
+        block = fp4.NVFP4_BLOCK if fmt == "nvfp4" else fp4.MXFP4_BLOCK
+        if dim % block:
+            raise ValueError(f"kv_cache_dtype 'fp4' stores {name} as {fmt} in blocks of {block}, which must divide "
+                             f"its width {dim}")
+        spec.paged[name] = CacheTensor((per_block, dim // 2), torch.uint8)
+        spec.paged[name + "_scale"] = CacheTensor((per_block, dim // block), torch.uint8)
+
+    def bind_cache(self, paged: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+        for i, layer in enumerate(self.model.layers):
+            p, attn = f"layers.{i}.", layer.self_attn
+            attn.ring = state[p + "swa_ring"]
+            if attn.compressor is None:
+                continue
+            main = "csa_kv" if attn.layer_type == CSA else "hca_kv"
+            pre = main[:3]
+            pool = self._entry_pool(paged, p + main, "nvfp4")
+            if attn.indexer is None:
+                attn.compressor.bind(pool, state[p + pre + "_buf_kv"], state[p + pre + "_buf_gate"])
+                continue
+            attn.compressor.bind(pool, state[p + "csa_buf_kv"], state[p + "csa_buf_gate"],
+                                 state[p + "csa_overlap_kv"], state[p + "csa_overlap_gate"])
+            attn.indexer.bind(self._entry_pool(paged, p + "indexer_k", "mxfp4"), state[p + "idx_buf_kv"],
+                              state[p + "idx_buf_gate"], state[p + "idx_overlap_kv"], state[p + "idx_overlap_gate"])
+
+    def _entry_pool(self, paged, name: str, fp4_fmt: str) -> EntryPool:
+        data = paged[name]
+        if data.dtype == torch.uint8:
+            return EntryPool(data, paged[name + "_scale"], fp4_fmt, self.dtype)
+        return EntryPool(data, None, "auto", self.dtype)
+
+    # ---- forward ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, replay_start: int | None = None):
+        """input_ids [T], meta for one all-prefill or all-decode step -> hidden [T, H] (after the final norm)."""
+        positions = meta.positions
+        ropes = {kind: rope(positions, self.dtype) for kind, rope in self.ropes.items()}
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        streams = x.unsqueeze(1).expand(-1, self.model.hc_mult, -1).contiguous()
+        for layer in self.model.layers:
+            streams = layer(streams, input_ids, positions, ropes, meta, replay_start)
+        return self.model.norm(self.model.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    # ---- SWA bounded replay ------------------------------------------------------------------------------
+
+    def replay_min_tokens(self, context_len: int) -> int:
+        """Fewest replayed tokens that rebuild the compression accumulators from replayed tokens only:
+        the unfinished window of every rate, and for CSA also the last finished window (its Ca half)."""
+        need = 0
+        for kind, r in self.rates.items():
+            need = max(need, context_len % r + (r if kind == CSA and context_len >= r else 0))
+        return min(need, context_len)
+
+    @torch.no_grad()
+    def replay_swa_state(self, token_ids: torch.Tensor, context_len: int, block_table: torch.Tensor,
+                         state_slot: int, num_tokens: int | None = None) -> int:
+        """Rebuild an approximate state block (SWA rings, compression accumulators) for a sequence whose
+        compressed KV for its first `context_len` tokens is already in the paged pool, by recomputing only
+        its last R tokens with every query's window cut to the replayed span. token_ids [>= context_len]
+        (only the last R of the first context_len are read), block_table [max_blocks]. The paged pool is
+        only read. R = num_tokens, default sliding_window + drafts (128 + drafts for V4), raised to
+        replay_min_tokens(context_len) and capped at context_len. Returns R."""
+        drafts = self.max_backtracking - 1
+        R = num_tokens if num_tokens is not None else self.config.sliding_window + drafts
+        R = min(max(R, self.replay_min_tokens(context_len)), context_len)
+        start = context_len - R
+        meta = AttentionMetadata(
+            is_prefill=True, positions=torch.arange(start, context_len), slot_mapping=torch.zeros(R, dtype=torch.long),
+            query_start_loc=torch.tensor([0, R]), context_lens=torch.tensor([context_len]),
+            block_tables=block_table.view(1, -1), state_slots=torch.tensor([state_slot]), block_size=0,
+            max_query_len=R, max_context_len=context_len)
+        self.forward(token_ids[start:context_len], meta, replay_start=start)
+        return R
+
+    # ---- weights ----------------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF checkpoint tensors, in DeepSeek's layout (as save_pretrained writes it) or transformers'.
+        Raises on missing, unexpected, duplicated or misshapen tensors, naming them."""
+        loader = WeightLoader(self)
+        n_mtp = _cfg(self.config, "num_nextn_predict_layers", 0) or 0
+        for hf_name, tensor in weights:
+            bare = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+            m = _MTP.match(bare)
+            if m:
+                if int(m.group(1)) >= n_mtp:
+                    raise ValueError(f"unexpected checkpoint tensor {hf_name!r}: config.num_nextn_predict_layers "
+                                     f"is {n_mtp}")
+                self.mtp_weights[bare] = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+                continue
+            loader.load(hf_to_param(hf_name), tensor, hf_name)
+        loader.finish()
+
+    # ---- memory plan --------------------------------------------------------------------------------------
+
+    def memory_plan_lines(self, spec: CacheSpec, block_size: int) -> list[str]:
+        per_type = bytes_per_token_by_layer_type(spec, block_size)
+        counts = {t: self.config.layer_types.count(t) for t in per_type}
+        lines = [f"  {t}: {counts[t]} layers x {b:.2f} B per source token (paged)" for t, b in per_type.items()]
+        lines.append(f"  paged: {spec.bytes_per_block / block_size:.2f} B per source token, "
+                     f"{spec.bytes_per_block} B per block of {block_size}")
+        lines.append(f"  state: {spec.bytes_per_state_block} B per StateBlock (SWA ring of {self.ring_len} tokens "
+                     f"+ compression accumulators, all layers)")
+        return lines
+
+
+def bytes_per_token_by_layer_type(spec: CacheSpec, block_size: int) -> dict[str, float]:
+    """{layer_type: paged bytes per source token of ONE layer of that type}. The type is read off the
+    spec's names (csa_kv -> CSA, hca_kv -> HCA, ring only -> sliding, whose window lives in the state pool)."""
+    kinds = {}
+    for name in spec.state:
+        kinds.setdefault(int(name.split(".")[1]), SLIDING)
+    per_layer = {}
+    for name, t in spec.paged.items():
+        i = int(name.split(".")[1])
+        if ".csa_kv" in name:
+            kinds[i] = CSA
+        elif ".hca_kv" in name:
+            kinds[i] = HCA
+        per_layer[i] = per_layer.get(i, 0) + t.nbytes
+    out = {}
+    for i, kind in sorted(kinds.items()):
+        out.setdefault(kind, per_layer.get(i, 0) / block_size)
+    return out
