@@ -268,6 +268,24 @@ class Indexer(Compressor):
         idx = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices
         return idx, visible.gather(1, idx)
 
+    def select_decode(self, scores: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode: row b holds n[b] real entries, then padding. -> (indices [B, k], valid [B, k]),
+        k = min(topk, max n). ReLU makes exact-zero scores common, so ties are real; torch.topk breaks them
+        by the row's length, and the reference ranks each sequence's row of exactly n[b] entries. So rows
+        are ranked in groups of equal n, over their first n columns, never over the padding."""
+        B, E = scores.shape
+        k = min(self.topk, E)
+        idx = torch.zeros(B, k, dtype=torch.long)
+        valid = torch.zeros(B, k, dtype=torch.bool)
+        for length in n.unique().tolist():
+            if length == 0:
+                continue
+            rows = (n == length).nonzero().flatten()
+            kk = min(self.topk, length)
+            idx[rows, :kk] = scores[rows, :length].topk(kk, dim=-1).indices
+            valid[rows, :kk] = True
+        return idx, valid
+
 
 class V4Attention(nn.Module):
     """One DeepSeek-V4 attention layer; HF parameter names under `self_attn.`."""
@@ -431,5 +449,5 @@ class V4Attention(nn.Module):
         if self.indexer is not None:
             keys = self.indexer.pool.read(self.indexer.pool.rows(tables, w))
             scores = self.indexer.scores(q_res, x, cos, sin, keys)
-            w, seen = self.indexer.select(scores, seen)
+            w, seen = self.indexer.select_decode(scores, n)
         return self.compressor.pool.read(self.compressor.pool.rows(tables, w)), seen
