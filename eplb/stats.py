@@ -1,0 +1,74 @@
+"""Expert load statistics: tokens routed to each logical expert, per layer, over the last W steps.
+
+The engine calls ``record(layer, topk_ids)`` from every MoE layer's forward and ``end_step()`` once per
+engine step. Counting is a ``scatter_add_`` into a tensor on the router's device, so recording never
+waits for the device (``torch.bincount`` would: it reads the maximum id back to size its output).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class ExpertLoadRecorder:
+    """Ring buffer [W, L, E] of token counts (int64); slot ``pos`` accumulates the current step."""
+
+    def __init__(self, num_layers: int, num_experts: int, window: int, device=None):
+        for name, v in (("num_layers", num_layers), ("num_experts", num_experts), ("window", window)):
+            if not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.num_layers, self.num_experts, self.window = int(num_layers), int(num_experts), int(window)
+        self.buf = torch.zeros(self.window, self.num_layers, self.num_experts, dtype=torch.int64, device=device)
+        self.pos = 0          # ring slot of the step in progress
+        self.filled = 0       # completed steps held (<= window)
+        self.steps = 0        # completed steps ever recorded
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Add the routing of one forward: topk_ids [T, k] logical expert ids in [0, E) for layer."""
+        flat = topk_ids.reshape(-1).to(device=self.buf.device, dtype=torch.int64)
+        self.buf[self.pos, layer].scatter_add_(0, flat, torch.ones_like(flat))
+
+    def end_step(self) -> None:
+        """Close the current step; the oldest step leaves the window."""
+        self.pos = (self.pos + 1) % self.window
+        self.buf[self.pos].zero_()
+        self.filled = min(self.filled + 1, self.window)
+        self.steps += 1
+
+    def window_load(self) -> torch.Tensor:
+        """[W_filled, L, E] completed steps, oldest first (the step in progress is not included)."""
+        idx = (torch.arange(self.pos - self.filled, self.pos) % self.window).to(self.buf.device)
+        return self.buf.index_select(0, idx)
+
+    def total(self) -> torch.Tensor:
+        """[L, E] tokens per expert summed over the completed steps in the window."""
+        return self.window_load().sum(0)
+
+    def dump(self, path: str) -> None:
+        """Write the window to an .npz: load [W_filled, L, E] plus num_layers, num_experts, window, steps."""
+        np.savez(path, load=self.window_load().cpu().numpy(), num_layers=self.num_layers,
+                 num_experts=self.num_experts, window=self.window, steps=self.steps)
+
+    @classmethod
+    def load(cls, path: str, device=None) -> "ExpertLoadRecorder":
+        """Rebuild a recorder from ``dump`` output (its window holds the dumped steps)."""
+        load, meta = load_stats(path)
+        rec = cls(meta["num_layers"], meta["num_experts"], meta["window"], device=device)
+        n = load.shape[0]
+        rec.buf[:n] = torch.from_numpy(load).to(rec.buf.device)
+        rec.pos, rec.filled, rec.steps = n % rec.window, n, meta["steps"]
+        return rec
+
+
+def load_stats(path: str):
+    """Read a ``dump`` file -> (load int64 array [S, L, E], meta dict); ValueError if malformed."""
+    with np.load(path) as f:
+        missing = [k for k in ("load", "num_layers", "num_experts", "window", "steps") if k not in f]
+        if missing:
+            raise ValueError(f"stats file {path} lacks {missing}")
+        load = f["load"]
+        meta = {k: int(f[k]) for k in ("num_layers", "num_experts", "window", "steps")}
+    if load.ndim != 3 or load.shape[1:] != (meta["num_layers"], meta["num_experts"]) or load.shape[0] > meta["window"]:
+        raise ValueError(f"stats file {path}: load shape {load.shape} does not match "
+                         f"num_layers={meta['num_layers']}, num_experts={meta['num_experts']}, window={meta['window']}")
+    return load.astype(np.int64), meta
