@@ -1,0 +1,56 @@
+"""DeepSeek-V4 end to end through deepinfer.LLM against transformers' greedy generate (fp32, tiny random
+checkpoints from test_deepseek_v4)."""
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from test_deepseek_v4 import hf_greedy, make_checkpoint, prompt_of
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v4e2e") / "tiny"
+    hf = make_checkpoint(path, seed=1)
+    prompts = [prompt_of(5, 31), prompt_of(37, 32), prompt_of(90, 33), prompt_of(19, 34), prompt_of(50, 35)]
+    refs = [hf_greedy(hf, p, 24) for p in prompts]
+    return str(path), prompts, refs
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_llm_greedy_matches_transformers(ckpt):
+    path, prompts, refs = ckpt
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8)
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+
+
+def test_llm_preemption_and_recompute_match(ckpt):
+    """Room for 2 sequences and a few blocks: decode must preempt and re-prefill V4 sequences into fresh
+    blocks and stale state slots."""
+    path, prompts, refs = ckpt
+    probe = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
+    spec = probe.engine.cache.spec
+    memory = 2 * spec.bytes_per_state_block + 9 * spec.bytes_per_block  # 9 blocks of 16 tokens
+    llm = LLM(path, dtype="float32", kv_cache_memory=memory, max_num_seqs=2, max_model_len=128)
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+
+
+def test_llm_fp4_kv_cache_runs_and_mostly_agrees(ckpt):
+    path, prompts, refs = ckpt
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, kv_cache_dtype="fp4")
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    first = [o.outputs[0].token_ids[0] for o in outs]  # prefill logits: only the compressed KV is FP4
+    assert sum(a == r[0] for a, r in zip(first, refs)) >= 4
