@@ -112,11 +112,11 @@ def _check_config(E, R, groups, nodes, gpus, policy) -> bool:
         raise ValueError(f"num_replicas={R} is smaller than the {E} logical experts (each needs a slot)")
     if R % gpus:
         raise ValueError(f"num_replicas={R} is not a multiple of num_gpus={gpus}")
+    if E % groups:
+        raise ValueError(f"num_groups={groups} does not divide the {E} experts")
     hier = policy == "hierarchical" or (policy == "auto" and groups % nodes == 0)
     if not hier:
         return False
-    if E % groups:
-        raise ValueError(f"num_groups={groups} does not divide the {E} experts")
     if groups % nodes:
         raise ValueError(f"num_groups={groups} is not a multiple of num_nodes={nodes} (hierarchical policy)")
     if gpus % nodes:
@@ -144,10 +144,34 @@ def _check_prev(prev, L, E, R) -> np.ndarray:
 
 
 def _rebalance(wt, R, groups, nodes, gpus, opts, prev) -> np.ndarray:
-    """wt [L, E, S] -> phy2log [L, R]: groups onto nodes, then each node's experts onto its GPUs."""
+    """wt [L, E, S] -> phy2log [L, R]: groups onto nodes, then each node's experts onto its GPUs.
+
+    With a previous plan two layouts compete per layer: the fresh group layout with its nodes renamed
+    to match the previous one (each node row then stays close to its previous contents, and is never
+    worse than that row planned from scratch), and the previous group layout kept as it is (moving a
+    group moves all its experts), which wins wherever its GPUs are at least as balanced.
+    """
     L, E, _ = wt.shape
-    gsz, gpn, n_node = E // groups, groups // nodes, E // nodes
-    node_groups = _place_groups(wt, groups, nodes, opts, prev)                # [L, nodes, gpn]
+    fresh = _place_groups(wt, groups, nodes, opts)                             # [L, nodes, gpn]
+    if prev is None:
+        return _place_experts(wt, fresh, R, gpus, opts, None)
+    gprev = _prev_groups(prev, groups, nodes, E)
+    valid = (gprev >= 0).all((1, 2))
+    renamed = np.where(valid[:, None, None], _align(fresh, gprev), fresh)
+    a = _place_experts(wt, renamed, R, gpus, opts, prev)
+    if nodes == 1:
+        return a
+    b = _place_experts(wt, np.where(valid[:, None, None], gprev, renamed), R, gpus, opts, prev)
+    goal = _layer_objective(wt, _place_experts(wt, fresh, R, gpus, opts, None), gpus)
+    keep = valid & (_layer_objective(wt, b, gpus) <= goal * (1 + 1e-6 + opts.move_tolerance))
+    return np.where(keep[:, None], b, a)
+
+
+def _place_experts(wt, node_groups, R, gpus, opts, prev) -> np.ndarray:
+    """Given the groups of each node [L, nodes, gpn], plan every node's GPUs; -> phy2log [L, R]."""
+    L, E, _ = wt.shape
+    nodes, gpn = node_groups.shape[1:]
+    gsz, n_node = E // (nodes * gpn), E // nodes
     mlog2log = (node_groups[..., None] * gsz + np.arange(gsz)).reshape(L, nodes, n_node)
     rows_w = np.take_along_axis(wt, mlog2log.reshape(L, E)[..., None], 1).reshape(L * nodes, n_node, -1)
     rows_prev = None if prev is None else _local_prev(prev, mlog2log)
@@ -155,13 +179,20 @@ def _rebalance(wt, R, groups, nodes, gpus, opts, prev) -> np.ndarray:
     return np.take_along_axis(mlog2log.reshape(L * nodes, n_node), grid.reshape(L * nodes, -1), 1).reshape(L, R)
 
 
-def _place_groups(wt, groups, nodes, opts, prev) -> np.ndarray:
+def _layer_objective(wt, phy2log, gpus) -> np.ndarray:
+    """Per layer: sum over steps of the busiest GPU's load, each expert's load split over its replicas."""
+    L, E, S = wt.shape
+    cnt = np.bincount((phy2log + E * np.arange(L)[:, None]).ravel(), minlength=L * E).reshape(L, E)
+    unit = wt / np.maximum(cnt, 1)[..., None]
+    return np.take_along_axis(unit, phy2log[..., None], 1).reshape(L, gpus, -1, S).sum(2).max(1).sum(-1)
+
+
+def _place_groups(wt, groups, nodes, opts) -> np.ndarray:
     """Groups per node [L, nodes, groups // nodes], listed in slot order within the node."""
     L, E, _ = wt.shape
     gw = wt.sum(-1).reshape(L, groups, E // groups).sum(-1)[..., None]        # node level uses totals
     group_opts = _Opts(False, opts.refine, opts.packing, opts.max_refine_iters, opts.move_tolerance)
-    gprev = None if prev is None else _prev_groups(prev, groups, nodes, E)
-    return _plan_rows(gw, nodes, groups // nodes, group_opts, gprev)
+    return _plan_rows(gw, nodes, groups // nodes, group_opts)
 
 
 def _prev_groups(prev, groups, nodes, E) -> np.ndarray:
@@ -505,19 +536,23 @@ def _refine(grid, unit, iters, avoid_dup, goal=None) -> np.ndarray:
     active = np.flatnonzero(u[np.arange(rows)[:, None], gT].sum(0).max(1) > bound)  # numpy reduces those fast
     if active.size == 0:
         return grid
-    stale = np.zeros(rows, np.int64)
-    best = np.full(rows, np.inf)
-    for it in range(iters):
-        sub = gT[:, active] if active.size < rows else gT
-        top = _swap_pass(sub, u[active], it % (m // 2), tol[active], avoid_dup, None if goal is None else goal[active])
-        if active.size < rows:
-            gT[:, active] = sub
-        # only a lower maximum counts as progress; stop rows at the bound or stuck for a few shifts
-        stale[active] = np.where(top < best[active] - tol[active], 0, stale[active] + 1)
-        best[active] = np.minimum(best[active], top)
-        active = active[(stale[active] < patience) & (best[active] > bound[active])]
-        if active.size == 0:
-            break
+    # with a goal, rows still above it finish with the busiest pack alone meeting every other pack
+    phases = [(False, patience, iters)] + ([(True, m - 1, 4 * m)] if goal is not None else [])
+    for single, patience, passes in phases:
+        stale = np.zeros(rows, np.int64)
+        best = np.full(rows, np.inf)
+        for it in range(passes):
+            if active.size == 0:
+                break
+            sub = gT[:, active] if active.size < rows else gT
+            top = _swap_pass(sub, u[active], it, tol[active], avoid_dup, None if goal is None else goal[active], single)
+            if active.size < rows:
+                gT[:, active] = sub
+            # only a lower maximum counts as progress; stop rows at the bound or stuck for a few shifts
+            stale[active] = np.where(top < best[active] - tol[active], 0, stale[active] + 1)
+            best[active] = np.minimum(best[active], top)
+            active = active[(stale[active] < patience) & (best[active] > bound[active])]
+        active = np.flatnonzero(u[np.arange(rows)[:, None], gT].sum(0).max(1) > bound)
     return np.ascontiguousarray(gT.transpose(1, 2, 0), dtype=np.int64)
 
 
@@ -535,15 +570,18 @@ def _argsort_rows(x, descending=False) -> np.ndarray:
     return (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
 
 
-def _pairs(load, shift):
+def _pairs(load, shift, single=False):
     """Pack indices [rows, P] of the P = m // 2 heaviest packs and of the partners they meet this pass
-    (the i-th heaviest meets the (i + shift) mod P-th lightest)."""
+    (the i-th heaviest meets the (i + shift) mod P-th lightest); single: only the heaviest pack, meeting
+    the (shift mod (m - 1))-th lightest."""
     order = _argsort_rows(load)
-    P = load.shape[1] // 2
-    return order[:, ::-1][:, :P], order[:, (np.arange(P) + shift) % P]
+    m = load.shape[1]
+    if single:
+        return order[:, -1:], order[:, [shift % (m - 1)]]
+    return order[:, ::-1][:, :m // 2], order[:, (np.arange(m // 2) + shift) % (m // 2)]
 
 
-def _swap_pass(gT, u, shift, tol, avoid_dup, goal=None):
+def _swap_pass(gT, u, shift, tol, avoid_dup, goal=None, single=False):
     """One pass on gT [k, rows, m] (in place) with per-replica loads u [rows, n].
 
     Swapping heavy item a with light item b moves d = w_a - w_b across; the pair's maximum drops by
@@ -554,7 +592,7 @@ def _swap_pass(gT, u, shift, tol, avoid_dup, goal=None):
     n = u.shape[1]
     w = np.take(u.ravel(), gT + (np.arange(rows) * n)[:, None])               # [k, rows, m]
     load = w.sum(0)
-    heavy, light = _pairs(load, shift)
+    heavy, light = _pairs(load, shift, single)
     P = heavy.shape[1]
     fh, fl = (heavy + (np.arange(rows) * m)[:, None]).ravel(), (light + (np.arange(rows) * m)[:, None]).ravel()
     lh, ll = load.ravel()[fh].reshape(rows, P), load.ravel()[fl].reshape(rows, P)
@@ -577,8 +615,8 @@ def _swap_pass(gT, u, shift, tol, avoid_dup, goal=None):
     gT[ia, rr, ha], gT[ib, rr, lb] = gT[ib, rr, lb], gT[ia, rr, ha]
     # a pair's maximum after the pass is its heavy load minus the gain taken; an odd pack out stays put
     new_max = (lh - np.where(take, top, 0)).max(1)
-    if m % 2:                                                                  # the pack outside the pairs
-        new_max = np.maximum(new_max, np.sort(load, 1)[:, m // 2])
+    if m > 2 * P:                                                              # packs outside the pairs
+        new_max = np.maximum(new_max, np.sort(load, 1)[:, m - P - 1])
     return new_max
 
 

@@ -11,14 +11,15 @@ import torch
 
 
 class ExpertLoadRecorder:
-    """Ring buffer [W, L, E] of token counts (int64); slot ``pos`` accumulates the current step."""
+    """Ring buffer [W + 1, L, E] of token counts (int64): W completed steps plus slot ``pos``, which
+    accumulates the step in progress."""
 
     def __init__(self, num_layers: int, num_experts: int, window: int, device=None):
         for name, v in (("num_layers", num_layers), ("num_experts", num_experts), ("window", window)):
             if not isinstance(v, (int, np.integer)) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.num_layers, self.num_experts, self.window = int(num_layers), int(num_experts), int(window)
-        self.buf = torch.zeros(self.window, self.num_layers, self.num_experts, dtype=torch.int64, device=device)
+        self.buf = torch.zeros(self.window + 1, self.num_layers, self.num_experts, dtype=torch.int64, device=device)
         self.pos = 0          # ring slot of the step in progress
         self.filled = 0       # completed steps held (<= window)
         self.steps = 0        # completed steps ever recorded
@@ -30,14 +31,14 @@ class ExpertLoadRecorder:
 
     def end_step(self) -> None:
         """Close the current step; the oldest step leaves the window."""
-        self.pos = (self.pos + 1) % self.window
+        self.pos = (self.pos + 1) % (self.window + 1)
         self.buf[self.pos].zero_()
         self.filled = min(self.filled + 1, self.window)
         self.steps += 1
 
     def window_load(self) -> torch.Tensor:
         """[W_filled, L, E] completed steps, oldest first (the step in progress is not included)."""
-        idx = (torch.arange(self.pos - self.filled, self.pos) % self.window).to(self.buf.device)
+        idx = (torch.arange(self.pos - self.filled, self.pos) % (self.window + 1)).to(self.buf.device)
         return self.buf.index_select(0, idx)
 
     def total(self) -> torch.Tensor:
@@ -56,7 +57,7 @@ class ExpertLoadRecorder:
         rec = cls(meta["num_layers"], meta["num_experts"], meta["window"], device=device)
         n = load.shape[0]
         rec.buf[:n] = torch.from_numpy(load).to(rec.buf.device)
-        rec.pos, rec.filled, rec.steps = n % rec.window, n, meta["steps"]
+        rec.pos, rec.filled, rec.steps = n, n, meta["steps"]
         return rec
 
 
