@@ -597,20 +597,21 @@ def _swap_pass(gT, u, shift, tol, avoid_dup, goal=None, single=False):
     fh, fl = (heavy + (np.arange(rows) * m)[:, None]).ravel(), (light + (np.arange(rows) * m)[:, None]).ravel()
     lh, ll = load.ravel()[fh].reshape(rows, P), load.ravel()[fl].reshape(rows, P)
     wf, gf = w.reshape(k, -1), gT.reshape(k, -1)
-    d = (np.take(wf, fh, 1)[:, None] - np.take(wf, fl, 1)[None, :]).reshape(k, k, rows, P)
-    gain = np.minimum(d, (lh - ll) - d)
+    wh, wl = np.take(wf, fh, 1), np.take(wf, fl, 1)                           # [k, rows * P]
     if avoid_dup:
+        # a heavy item already in the light pack, or a light item already in the heavy one, may not
+        # move: an infinite weight on the item makes every swap with it a loss (cheaper than a mask)
         eq = np.take(gf, fh, 1)[:, None] == np.take(gf, fl, 1)[None, :]
-        # heavy item a already in the light pack, or light item b already in the heavy one
-        clash = (eq.any(1)[:, None] | eq.any(0)[None, :]).reshape(gain.shape)
-        gain = np.where(clash, _F(0), gain)
-    gain = gain.reshape(k * k, rows, P)
+        wh = np.where(eq.any(1), -np.inf, wh).astype(_F)
+        wl = np.where(eq.any(0), np.inf, wl).astype(_F)
+    d = (wh[:, None] - wl[None, :]).reshape(k, k, rows, P)
+    gain = np.minimum(d, (lh - ll) - d).reshape(k * k, rows, P)
     top = gain.max(0)
     take = top > tol[:, None]
     if goal is not None:                                                       # each swap moves two experts:
         take &= lh > goal[:, None]                                             # only packs over the goal swap
     rr, pp = np.nonzero(take)
-    best = gain[:, rr, pp].argmax(0)                                            # only where a swap is taken
+    best = np.take(gain.reshape(k * k, -1), rr * P + pp, 1).argmax(0)         # only where a swap is taken
     ha, lb, ia, ib = heavy[rr, pp], light[rr, pp], best // k, best % k
     gT[ia, rr, ha], gT[ib, rr, lb] = gT[ib, rr, lb], gT[ia, rr, ha]
     # a pair's maximum after the pass is its heavy load minus the gain taken; an odd pack out stays put
