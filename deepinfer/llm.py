@@ -18,16 +18,18 @@ class LLM:
     kv_cache_memory: bytes for both KV pools (paged blocks plus one StateBlock per max_num_seqs).
     max_model_len: defaults to the model's max_position_embeddings; max_num_batched_tokens to
     max(8192, max_model_len).
-    engine_type: "normal" (prefill and decode), "prompt" (prefill, then hand off) or "completion"."""
+    engine_type: "normal" (prefill and decode), "prompt" (prefill, then hand off) or "completion".
+    num_threads: CPU threads for torch and our kernels (set process-wide); see EngineConfig."""
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,
                  block_size: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
-                 engine_type: str = "normal"):
+                 engine_type: str = "normal", num_threads: int | None = None):
         config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
                               kv_cache_memory=kv_cache_memory, block_size=block_size,
-                              kv_cache_dtype=kv_cache_dtype, seed=seed, engine_type=engine_type)
+                              kv_cache_dtype=kv_cache_dtype, seed=seed, engine_type=engine_type,
+                              num_threads=num_threads or EngineConfig.default_num_threads())
         self.engine = LLMEngine(config)
         self._request_counter = 0
 

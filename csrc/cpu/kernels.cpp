@@ -1,6 +1,31 @@
-// CPU kernels where torch is slow. Registered into deepinfer._C by bind_cpu_kernels.
+// CPU kernels where torch is slow, registered into deepinfer._C. They take raw data pointers
+// (validated by deepinfer/layers/cpu_ops.py, the only caller) and run with the GIL released.
 #include <pybind11/pybind11.h>
 
-namespace py = pybind11;
+#include <cstdint>
 
-void bind_cpu_kernels(py::module_& m) { (void)m; }
+#include "cpu/gemm_bf16.h"
+
+namespace py = pybind11;
+using namespace deepinfer;
+
+void bind_cpu_kernels(py::module_& m) {
+  m.def(
+      "gemm_bf16",
+      [](uintptr_t x, uintptr_t w, uintptr_t out, int64_t M, int64_t K, int64_t N, int threads) {
+        gemm_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(w),
+                  reinterpret_cast<float*>(out), M, K, N, threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "out[M,N] fp32 = x[M,K] fp32 @ w[N,K]^T bf16 (contiguous)");
+  m.def(
+      "grouped_experts_bf16",
+      [](uintptr_t x, uintptr_t offsets, int64_t E, uintptr_t w13, uintptr_t w2, uintptr_t y, int64_t H, int64_t I,
+         int threads) {
+        grouped_experts_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<const int64_t*>(offsets), E,
+                             reinterpret_cast<const uint16_t*>(w13), reinterpret_cast<const uint16_t*>(w2),
+                             reinterpret_cast<float*>(y), H, I, threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "y[S,H] fp32: rows offsets[e]..offsets[e+1] of x [S,H] through SwiGLU expert e (w13 [E,2I,H], w2 [E,H,I] bf16)");
+}

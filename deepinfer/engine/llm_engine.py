@@ -65,6 +65,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
+        torch.set_num_threads(config.num_threads)
         self.model, self.hf_config = load_model(config.model, config.dtype)
         config.fill_defaults(self.hf_config)
         self.tokenizer = load_tokenizer(config.model)

@@ -18,16 +18,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Keys are gathered per sequence through its block table into [B, max_blocks * block_size];
     queries are padded to [B, max_query_len]; one masked SDPA call covers the batch."""
+    # fp32 math: torch's bf16 SDPA on AVX2 CPUs is several times slower than converting first.
     block_tables = meta.block_tables.clamp(min=0)
-    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)    # [B, Hkv, L, D]
-    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2).float()    # [B, Hkv, L, D]
+    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2).float()
     q_idx, q_valid = _padded_query_index(meta)
-    queries = q[q_idx].transpose(1, 2)                             # [B, H, Qmax, D]
+    queries = q[q_idx].transpose(1, 2).float()                            # [B, H, Qmax, D]
     q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_query_len)
     mask = torch.arange(keys.shape[2])[None, None, :] <= q_pos[:, :, None]   # [B, Qmax, L]
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
                                          scale=scale, enable_gqa=queries.shape[1] != keys.shape[1])
-    return out.transpose(1, 2)[q_valid]
+    return out.transpose(1, 2)[q_valid].to(q.dtype)
 
 
 def _padded_query_index(meta: AttentionMetadata):

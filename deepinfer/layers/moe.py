@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.layers.cpu_ops import grouped_experts_bf16
+
 
 class FusedMoE(nn.Module):
     """num_experts SwiGLU experts. gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
@@ -21,19 +23,22 @@ class FusedMoE(nn.Module):
         k = topk_ids.shape[1]
         flat = topk_ids.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
         token_idx = order // k
-        grouped = x[token_idx]
-        out_rows = torch.empty_like(grouped)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                end = start + count
-                out_rows[start:end] = self._expert(expert, grouped[start:end])
-                start = end
-        out_rows *= topk_weights.flatten()[order, None].to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_idx, out_rows)
+        rows = self._run_experts(x[token_idx], counts)
+        rows *= topk_weights.flatten()[order, None].to(rows.dtype)
+        return torch.zeros_like(x).index_add_(0, token_idx, rows.to(x.dtype))
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+    def _run_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """grouped [S, H] rows sorted by expert, counts [E] -> [S, H] expert outputs."""
+        if self.gate_up_proj.dtype == torch.bfloat16:
+            return grouped_experts_bf16(grouped.float().contiguous(), counts, self.gate_up_proj, self.down_proj)
+        out = torch.empty_like(grouped)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            end = start + count
+            if count:
+                gate, up = F.linear(grouped[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            start = end
+        return out

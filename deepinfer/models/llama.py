@@ -10,19 +10,14 @@ from deepinfer.config import hf_get, rope_scaling, rope_theta
 from deepinfer.engine.cache_spec import CacheSpec, CacheTensor
 from deepinfer.layers.attention import paged_attention, store_kv
 from deepinfer.layers.attention_metadata import AttentionMetadata
+from deepinfer.layers.linear import Linear, linear
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.models.weights import WeightLoader
 
 
-def _linear(n_in: int, n_out: int | list[int], dtype, bias: bool = False) -> nn.Linear:
-    """n_out as a list makes a fused projection whose row blocks load from separate HF tensors."""
-    shards = n_out if isinstance(n_out, list) else None
-    layer = nn.Linear(n_in, sum(shards) if shards else n_out, bias=bias, dtype=dtype)
-    layer.requires_grad_(False)
-    for p in layer.parameters():
-        p.shard_sizes = shards
-    return layer
+def _linear(n_in: int, n_out: int | list[int], dtype, bias: bool = False) -> Linear:
+    return Linear(n_in, n_out, dtype, bias)
 
 
 class Attention(nn.Module):
@@ -125,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

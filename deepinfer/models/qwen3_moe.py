@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from deepinfer.config import hf_get
+from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import FusedMoE
 from deepinfer.models.llama import MLP, LlamaForCausalLM
 
@@ -15,7 +16,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = bool(hf_get(cfg, "norm_topk_prob", default=False))
         num_experts = hf_get(cfg, "num_experts", "num_local_experts")
-        self.gate = nn.Linear(cfg.hidden_size, num_experts, bias=False, dtype=dtype).requires_grad_(False)
+        self.gate = Linear(cfg.hidden_size, num_experts, dtype)
         self.experts = FusedMoE(num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype)
         self.experts.gate_up_proj.shard_sizes = [cfg.moe_intermediate_size] * 2
 

@@ -1,0 +1,130 @@
+#include "cpu/gemm_bf16.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace deepinfer {
+namespace {
+
+inline __m256 load_bf16x8(const uint16_t* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// An R x C tile of out: rows m0.. of x against weight rows n0.. . R*C independent FMA chains hide
+// the FMA latency, and C weight streams in flight keep the memory system busy.
+template <int R, int C>
+void tile(const float* x, const uint16_t* w, float* out, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  int64_t k = 0;
+  // Software prefetch of the next column block: the hardware prefetcher alone tracks too few of
+  // these parallel row streams (measured ~6 vs ~9 GB/s on the 2-core AVX2 machines).
+  const bool prefetch = n0 + 2 * C <= N;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[C];
+    if (prefetch && (k & 31) == 0)
+      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + C + c) * K + k), _MM_HINT_T0);
+    for (int c = 0; c < C; ++c) wv[c] = load_bf16x8(w + (n0 + c) * K + k);
+    for (int r = 0; r < R; ++r) {
+      __m256 xv = _mm256_loadu_ps(x + (m0 + r) * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float s = hsum(acc[r][c]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[(m0 + r) * K + kk] * bf16_to_float(w[(n0 + c) * K + kk]);
+      out[(m0 + r) * N + n0 + c] = s;
+    }
+}
+
+// Weight rows [n0, n0+C) stay in L1 while every row block of x passes over them.
+template <int R, int C>
+void column_block(const float* x, const uint16_t* w, float* out, int64_t M, int64_t n0, int64_t K, int64_t N) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R) tile<R, C>(x, w, out, m, n0, K, N);
+  for (; m < M; ++m) tile<1, C>(x, w, out, m, n0, K, N);
+}
+
+template <int R, int C>
+void columns(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+             int64_t n1) {
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) column_block<R, C>(x, w, out, M, n, K, N);
+  for (; n < n1; ++n) column_block<R, 1>(x, w, out, M, n, K, N);
+}
+
+// Tile shapes measured best on AVX2 (16 ymm registers): a GEMV keeps 8 weight streams in flight;
+// small M shares 4 widened weight vectors across 2 rows; larger M shares 2 across 4 rows.
+void gemm_range(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+                int64_t n1) {
+  if (M == 1) return columns<1, 8>(x, w, out, M, K, N, n0, n1);
+  if (M < 4) return columns<2, 4>(x, w, out, M, K, N, n0, n1);
+  columns<4, 2>(x, w, out, M, K, N, n0, n1);
+}
+
+}  // namespace
+
+void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
+               int num_threads) {
+  // Split N across threads only when each gets enough work to beat the wake-up cost.
+  int threads = (N * K >= (1 << 20)) ? std::max(1, num_threads) : 1;
+  if (threads == 1) return gemm_range(x, w, out, M, K, N, 0, N);
+#pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t chunk = ((N + T - 1) / T + 7) / 8 * 8;
+    gemm_range(x, w, out, M, K, N, std::min<int64_t>(N, t * chunk), std::min<int64_t>(N, (t + 1) * chunk));
+  }
+}
+
+void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2, float* y, float* scratch,
+                        int64_t M, int64_t H, int64_t I, int num_threads) {
+  gemm_bf16(x, w13, scratch, M, H, 2 * I, num_threads);
+  // scratch rows are [gate | up]; compact silu(gate) * up into the first I columns of each row
+  // (row m's output lands on rows already consumed, so the compaction is safe in place).
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = scratch + m * 2 * I;
+    float* act = scratch + m * I;
+    for (int64_t i = 0; i < I; ++i) {
+      float g = row[i], u = row[I + i];
+      act[i] = g / (1.0f + std::exp(-g)) * u;
+    }
+  }
+  gemm_bf16(scratch, w2, y, M, I, H, num_threads);
+}
+
+void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint16_t* w13,
+                          const uint16_t* w2, float* y, int64_t H, int64_t I, int num_threads) {
+  int64_t max_rows = 0;
+  for (int64_t e = 0; e < num_experts; ++e) max_rows = std::max(max_rows, offsets[e + 1] - offsets[e]);
+  std::vector<float> scratch(static_cast<size_t>(max_rows) * 2 * I);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    expert_swiglu_bf16(x + offsets[e] * H, w13 + e * 2 * I * H, w2 + e * H * I, y + offsets[e] * H,
+                       scratch.data(), rows, H, I, num_threads);
+  }
+}
+
+}  // namespace deepinfer

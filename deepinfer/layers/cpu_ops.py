@@ -1,0 +1,51 @@
+"""Python boundary of the C++ CPU kernels in csrc/cpu: checks shapes and dtypes before handing raw
+pointers over, so bad input raises here instead of corrupting memory."""
+import torch
+import torch.nn.functional as F
+
+from deepinfer import _C
+
+# Above this many rows a bf16 GEMM is compute-bound: widening the weight once and using fp32
+# sgemm beats the row-blocked kernel (measured on the 2-core AVX2 machines, see docs/benchmarks.md).
+SGEMM_MIN_ROWS = 32
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, dims: int) -> None:
+    if t.dtype != dtype or t.dim() != dims or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor with {dims} dims, "
+                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] any float dtype; w [N, K] bf16; bias [N] or None -> [..., N] in x.dtype (fp32 accumulation)."""
+    _check(w, "weight", torch.bfloat16, 2)
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
+    x2 = x.reshape(-1, k).float().contiguous()
+    if x2.shape[0] >= SGEMM_MIN_ROWS:
+        out = F.linear(x2, w.float())
+    else:
+        out = torch.empty(x2.shape[0], n)
+        _C.gemm_bf16(x2.data_ptr(), w.data_ptr(), out.data_ptr(), x2.shape[0], k, n, torch.get_num_threads())
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x [S, H] fp32 rows sorted by expert; counts [E] rows per expert; w13 [E, 2I, H] bf16 (gate
+    rows, then up); w2 [E, H, I] bf16 -> [S, H] fp32, each row through its expert's SwiGLU."""
+    _check(x, "x", torch.float32, 2)
+    _check(w13, "w13", torch.bfloat16, 3)
+    _check(w2, "w2", torch.bfloat16, 3)
+    e, two_i, h = w13.shape
+    if w2.shape != (e, h, two_i // 2) or x.shape[1] != h or counts.shape != (e,) or int(counts.sum()) != x.shape[0]:
+        raise ValueError(f"expert shapes disagree: x {tuple(x.shape)}, counts {tuple(counts.shape)}, "
+                         f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    offsets = torch.zeros(e + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    y = torch.empty_like(x)
+    _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, w13.data_ptr(), w2.data_ptr(), y.data_ptr(),
+                            h, two_i // 2, torch.get_num_threads())
+    return y

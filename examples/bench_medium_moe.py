@@ -1,0 +1,123 @@
+"""Decode ms per step on the medium Qwen3-MoE shape at batch 1, 16 and 64 (64 prompt + 64 new
+tokens, greedy, ignore EOS), deepinfer beside transformers' generate on the same checkpoint in the
+same run, plus the machine's floor. Writes the table into docs/benchmarks.md.
+
+    python examples/bench_medium_moe.py [--batches 1 16 64] [--threads 1] [--skip-hf]
+"""
+import argparse
+import os
+import time
+
+import torch
+
+from deepinfer import LLM, SamplingParams, _C
+from deepinfer.docs import write_section
+from examples.make_medium_qwen3_moe import make
+
+PROMPT, NEW = 64, 64
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return [torch.randint(3, vocab, (PROMPT,), generator=g).tolist() for _ in range(batch)]
+
+
+def deepinfer_decode_ms(llm: LLM, batch: int) -> float:
+    """Mean wall time of the decode steps (schedule + forward + sample + output processing)."""
+    engine = llm.engine
+    for i, p in enumerate(prompts(batch, engine.vocab_size)):
+        engine.add_request(f"b{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    decode = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        is_decode = engine.scheduler.num_waiting == 0
+        engine.step()
+        if is_decode:
+            decode.append(time.perf_counter() - t)
+    return 1000 * sum(decode[1:]) / len(decode[1:])
+
+
+def hf_decode_ms(model, batch: int, vocab: int) -> float:
+    """(generate 64 new - generate 1 new) / 63: decode steps only, prefill cancels out."""
+    ids = torch.tensor(prompts(batch, vocab))
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    times = {}
+    for n in (1, NEW):
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        times[n] = time.perf_counter() - t
+    return 1000 * (times[NEW] - times[1]) / (NEW - 1)
+
+
+def floor_ms(cfg, batch: int, bandwidth: float, flops: float) -> float:
+    """Bytes of bf16 weights a decode step must read (attention, router, touched experts, head)
+    over bandwidth, or its FLOPs over the matmul rate, whichever is larger."""
+    h, e, k, i = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attn = h * (2 * q + 2 * kv) + h * e
+    touched = e * (1 - (1 - k / e) ** batch)
+    per_layer = attn + touched * 3 * h * i
+    params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h
+    active = cfg.num_hidden_layers * (attn + k * 3 * h * i) + cfg.vocab_size * h
+    return 1000 * max(2 * params / bandwidth, 2 * active * batch / flops)
+
+
+def machine_rates() -> tuple[float, float]:
+    """Single-thread read bandwidth (bytes/s) and fp32 matmul rate (FLOP/s) measured now."""
+    a = torch.ones(64 << 20)
+    a.sum()
+    t = time.perf_counter()
+    for _ in range(4):
+        a.sum()
+    bw = 4 * a.numel() * 4 / (time.perf_counter() - t)
+    x, w = torch.randn(512, 1024), torch.randn(1024, 1024)
+    x @ w
+    t = time.perf_counter()
+    for _ in range(4):
+        x @ w
+    return bw, 4 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - t)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = make()
+    bw, flops = machine_rates()
+    llm = LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=max(args.batches), kv_cache_memory=512 << 20)
+    cfg = llm.engine.hf_config
+    ours = {b: deepinfer_decode_ms(llm, b) for b in args.batches}
+    del llm
+    hf = {}
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        hf = {b: hf_decode_ms(model, b, cfg.vocab_size) for b in args.batches}
+    rows = ["| batch | floor ms | deepinfer ms | transformers ms | speedup vs transformers | deepinfer / floor |",
+            "|---|---|---|---|---|---|"]
+    for b in args.batches:
+        fl = floor_ms(cfg, b, bw, flops)
+        h = hf.get(b)
+        rows.append(f"| {b} | {fl:.1f} | {ours[b]:.1f} | {h:.1f} | {h / ours[b]:.2f}x | {ours[b] / fl:.2f} |" if h else
+                    f"| {b} | {fl:.1f} | {ours[b]:.1f} | - | - | {ours[b] / fl:.2f} |")
+    table = "\n".join(rows)
+    print(table)
+    header = (f"Medium Qwen3-MoE (vocab 32000, hidden 1024, 16 layers, 16/4 heads of 64, 32 experts top-4, "
+              f"moe_intermediate 512, bf16), {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per "
+              f"step; torch threads = {args.threads}. Floor from rates measured in the same run: read "
+              f"{bw / 1e9:.1f} GB/s, fp32 matmul {flops / 1e9:.0f} GFLOP/s (`{cpu_model()}`).\n\n"
+              f"    python examples/bench_medium_moe.py --threads {args.threads}\n\n")
+    write_section("Engine core: medium Qwen3-MoE decode", header + table)
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+    return f"{name}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
+
+
+if __name__ == "__main__":
+    main()
