@@ -57,17 +57,27 @@ class _Opts:
 def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, *,
                       avoid_duplicates: bool = True, refine: bool = True, packing: str = "rounds",
                       prev_phy2log=None, move_tolerance: float = 0.0, policy: str = "auto",
-                      max_refine_iters: int = 8):
+                      max_refine_iters: int = 8, peak_steps: int = 32):
     """Plan the placement of ``num_replicas`` physical experts.
 
-    weight: [L, E] load per logical expert, or [S, L, E] per-step loads (peak-aware planning).
+    weight: [L, E] load per logical expert, or [S, L, E] per-step loads (peak-aware planning; more than
+        ``peak_steps`` steps are summed into that many consecutive groups to bound the work).
     prev_phy2log: optional [L, R] current placement to stay close to.
+    move_tolerance: with prev_phy2log, a layer keeps the plan built from the previous placement when its
+        busiest GPU carries at most (1 + move_tolerance) times the from-scratch plan's (0: never worse).
+    avoid_duplicates, refine, packing: see the module docstring; ``**REFERENCE_FLAGS`` gives DeepSeek's
+        placement exactly. max_refine_iters bounds the swap passes.
     policy: "auto" (hierarchical iff num_groups % num_nodes == 0, as DeepSeek), "hierarchical"
         (ValueError when the groups do not divide over the nodes) or "global".
     Returns phy2log [L, R] int64, log2phy [L, E, max_replicas] int64 padded with -1 (slots of each
     expert in ascending order), logcnt [L, E] int64.
     """
     wt = _check_weight(weight)
+    if not isinstance(peak_steps, int) or peak_steps <= 0:
+        raise ValueError(f"peak_steps must be a positive integer, got {peak_steps!r}")
+    if wt.shape[2] > peak_steps:                                               # bound the per-step work:
+        edges = np.linspace(0, wt.shape[2], peak_steps + 1).astype(int)[:-1]   # sum consecutive steps
+        wt = np.add.reduceat(wt, edges, axis=2)
     L, E, _ = wt.shape
     hier = _check_config(E, num_replicas, num_groups, num_nodes, num_gpus, policy)
     if not (0 <= move_tolerance < 1):
@@ -92,7 +102,8 @@ def _check_weight(weight) -> np.ndarray:
     """weight [L, E] or [S, L, E] -> float32 array [L, E, S] (S = 1 for 2-D input)."""
     w = weight.detach().cpu().double().numpy() if isinstance(weight, torch.Tensor) else np.asarray(weight, float)
     if w.ndim not in (2, 3) or 0 in w.shape:
-        raise ValueError(f"weight must be a non-empty [layers, experts] or [steps, layers, experts] array, got {w.shape}")
+        raise ValueError("weight must be a non-empty [layers, experts] or [steps, layers, experts] array, "
+                         f"got {w.shape}")
     if not np.isfinite(w).all():
         raise ValueError("weight contains non-finite values (nan or inf)")
     if (w < 0).any():
@@ -332,19 +343,19 @@ def _pack_rounds(ids, iw, m, k, avoid_dup) -> np.ndarray:
     and the other items keep their order, so no duplicate is ever created.
     """
     rows = ids.shape[0]
-    r = np.arange(rows)[:, None]
     base = (np.arange(rows) * m)[:, None]
     grid = np.empty((k, rows, m), np.int64)                                    # slot-major, for flat writes
     load = np.zeros((rows, m), _F)
     for j in range(k):
         packs = _argsort_rows(load)
         item = ids[:, j * m:(j + 1) * m]
-        if avoid_dup and j:
-            e = np.where(item[:, 0] == ids[:, j * m - 1], item[:, 0], -1)[:, None]   # the cut expert
-            c2 = np.cumprod(item == e, 1).sum(1, keepdims=True)                 # its replicas this round
-            free = np.take_along_axis(grid[j - 1] != e, packs, 1)                # a block spans <= 2 rounds
+        cut = np.flatnonzero(item[:, 0] == ids[:, j * m - 1]) if avoid_dup and j else ()
+        if len(cut):                                                           # rows whose boundary cuts an expert
+            e = item[cut, :1]
+            c2 = np.cumprod(item[cut] == e, 1).sum(1, keepdims=True)            # its replicas this round
+            free = np.take_along_axis(grid[j - 1, cut] != e, packs[cut], 1)      # a block spans <= 2 rounds
             first = free & (np.cumsum(free, 1) <= c2)
-            packs = np.take_along_axis(packs, np.argsort(~first, 1, kind="stable"), 1)
+            packs[cut] = np.take_along_axis(packs[cut], np.argsort(~first, 1, kind="stable"), 1)
         flat = (packs + base).ravel()
         grid[j].ravel()[flat] = item.ravel()
         load.ravel()[flat] += iw[:, j * m:(j + 1) * m].ravel()
@@ -389,7 +400,8 @@ def _pack_from(prev, cnt, unit, opts) -> np.ndarray:
     o = np.argsort(slot_load, 1, kind="stable")
     o = np.take_along_axis(o, np.argsort(np.take_along_axis(key, o, 1), 1, kind="stable"), 1)
     se = np.take_along_axis(key, o, 1)                                        # experts, lightest pack first
-    keep_sorted = (se < n) & (_occurrence(se) < np.take_along_axis(np.append(cnt, np.zeros((rows, 1), np.int64), 1), se, 1))
+    want = np.take_along_axis(np.append(cnt, np.zeros((rows, 1), np.int64), 1), se, 1)
+    keep_sorted = (se < n) & (_occurrence(se) < want)
     keep = np.zeros_like(keep_sorted)
     keep[r, o] = keep_sorted
     kept = np.zeros((rows, n + 1), np.int64)
@@ -532,8 +544,13 @@ def _refine(grid, unit, iters, avoid_dup, goal=None) -> np.ndarray:
     if goal is not None:
         bound = np.maximum(bound, goal)
     small = np.int16 if unit.shape[1] < 2 ** 15 else np.int64                 # less memory traffic
-    gT = np.ascontiguousarray(grid.transpose(2, 0, 1), dtype=small)             # [k, rows, m]: small axes lead,
-    active = np.flatnonzero(u[np.arange(rows)[:, None], gT].sum(0).max(1) > bound)  # numpy reduces those fast
+    gR = np.ascontiguousarray(grid.transpose(0, 2, 1), dtype=small)             # [rows, k, m]
+    # rows lead so that row subsets are cheap gathers; passes get [k, rows, m] views (small axes lead,
+    # which numpy reduces fast)
+
+    def over():
+        return np.take_along_axis(u, gR.reshape(rows, -1), 1).reshape(gR.shape).sum(1).max(1) > bound
+    active = np.flatnonzero(over())
     if active.size == 0:
         return grid
     # with a goal, rows still above it finish with the busiest pack alone meeting every other pack
@@ -544,16 +561,16 @@ def _refine(grid, unit, iters, avoid_dup, goal=None) -> np.ndarray:
         for it in range(passes):
             if active.size == 0:
                 break
-            sub = gT[:, active] if active.size < rows else gT
-            top = _swap_pass(sub, u[active], it, tol[active], avoid_dup, None if goal is None else goal[active], single)
-            if active.size < rows:
-                gT[:, active] = sub
+            sub = gR[active]
+            top = _swap_pass(sub.transpose(1, 0, 2), u[active], it, tol[active], avoid_dup,
+                             None if goal is None else goal[active], single)
+            gR[active] = sub
             # only a lower maximum counts as progress; stop rows at the bound or stuck for a few shifts
             stale[active] = np.where(top < best[active] - tol[active], 0, stale[active] + 1)
             best[active] = np.minimum(best[active], top)
             active = active[(stale[active] < patience) & (best[active] > bound[active])]
-        active = np.flatnonzero(u[np.arange(rows)[:, None], gT].sum(0).max(1) > bound)
-    return np.ascontiguousarray(gT.transpose(1, 2, 0), dtype=np.int64)
+        active = np.flatnonzero(over())
+    return np.ascontiguousarray(gR.transpose(0, 2, 1), dtype=np.int64)
 
 
 def _argsort_rows(x, descending=False) -> np.ndarray:
