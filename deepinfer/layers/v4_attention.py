@@ -29,6 +29,11 @@ from torch import nn
 from deepinfer.layers import fp4
 from deepinfer.layers.hyper_connection import unweighted_rms_norm
 
+try:  # bf16 weights go to the C++ AVX2 GEMM (torch's bf16 matmul runs ~8 GFLOP/s on these CPUs)
+    from deepinfer.layers.linear import linear
+except ImportError:  # kernels not built into this tree: plain torch
+    linear = F.linear
+
 PREFILL_QUERY_CHUNK = 256  # queries per dense attention tile in prefill: bounds the [H, C, K] score tile
 
 
@@ -76,7 +81,7 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -257,7 +262,8 @@ class Indexer(Compressor):
         """q_res [N, q_lora], x [N, H], cos/sin [N, rd/2], keys [N, E, Di] -> fp32 scores [N, E]."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.n_heads, self.dim)
         q = apply_rope(q, cos[:, None], sin[:, None])
-        s = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * self.dim ** -0.5  # [N, Hi, E]
+        keys = keys.float().expand(q.shape[0], -1, -1)  # prefill: one key set for all queries (a view)
+        s = F.relu(torch.bmm(q.float(), keys.transpose(1, 2))) * self.dim ** -0.5  # [N, Hi, E]
         w = self.scorer.weights_proj(x).float() * self.n_heads ** -0.5
         return (s * w.unsqueeze(-1)).sum(dim=1)
 
@@ -341,9 +347,10 @@ class V4Attention(nn.Module):
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output: [T, Hq, D] -> per group [T, Hq*D/G] @ o_a[g] -> [T, G*R] -> o_b."""
         T = out.shape[0]
-        grouped = out.reshape(T, self.groups, -1).transpose(0, 1)  # [G, T, in]
-        w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, R]
-        return self.o_b_proj(torch.bmm(grouped, w).transpose(0, 1).reshape(T, -1))
+        grouped = out.reshape(T, self.groups, -1)
+        w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])  # [G, R, in]
+        mixed = torch.cat([linear(grouped[:, g], w[g]) for g in range(self.groups)], dim=-1)  # [T, G*R]
+        return self.o_b_proj(mixed)
 
     # ---- prefill: one sequence at a time, dense tiles over its keys --------------------------------------
 
@@ -400,20 +407,25 @@ class V4Attention(nn.Module):
             if entries is not None:
                 ks = torch.cat([ks, entries])
                 masks.append(visible[c0:c1])
-            mask = torch.cat(masks, dim=1)
-            outs.append(self._softmax_attend(q[c0:c1].transpose(0, 1), ks, mask[None]).transpose(0, 1))
-        return torch.cat(outs)
+            mask = torch.cat(masks, dim=1)  # [C, K]
+            outs.append(self._softmax_attend(q[c0:c1].reshape(1, -1, q.shape[-1]), ks[None],
+                                             mask.repeat_interleave(self.n_heads, dim=0)[None])[0])
+        return torch.cat(outs).view(q.shape)
 
     def _softmax_attend(self, q, keys, mask) -> torch.Tensor:
-        """q [..., H, Q, D] x keys [..., K, D] (K = V), mask broadcastable to [..., H, Q, K] -> [..., H, Q, D].
-        The per-head sink joins the softmax and is dropped after it."""
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
+        """q [B, M, D] (M = queries x heads, sharing one key set), keys [B, K, D] (K = V), mask [B, M, K]
+        -> [B, M, D]. Every head reads the same single KV head, so this is one batched GEMM per sequence.
+        The per-head sink joins the softmax and is dropped after it. Math in fp32 (bf16 matmuls are slow
+        on these CPUs; for fp32 models this is the reference's arithmetic exactly)."""
+        keys = keys.float()
+        scores = torch.bmm(q.float(), keys.transpose(1, 2)) * self.scale
         scores = scores.masked_fill(~mask, float("-inf"))
-        sinks = self.sinks.view(-1, 1, 1).expand(*scores.shape[:-1], 1)
-        logits = torch.cat([scores, sinks], dim=-1)  # fp32, as the reference (fp32 sinks promote)
+        rows = q.shape[1] // self.n_heads
+        sinks = self.sinks.repeat(rows).view(1, -1, 1).expand(q.shape[0], -1, 1)
+        logits = torch.cat([scores, sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)
-        return torch.matmul(probs, keys)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        return torch.bmm(probs, keys).to(q.dtype)
 
     # ---- decode: one token per sequence, batched ---------------------------------------------------------
 
@@ -430,9 +442,8 @@ class V4Attention(nn.Module):
             if entries is not None:
                 keys.append(entries)
                 masks.append(seen)
-        out = self._softmax_attend(q[:, :, None, :], torch.cat(keys, dim=1)[:, None],
-                                   torch.cat(masks, dim=1)[:, None, None, :])
-        return out[:, :, 0]
+        mask = torch.cat(masks, dim=1)[:, None, :].expand(-1, self.n_heads, -1)
+        return self._softmax_attend(q, torch.cat(keys, dim=1), mask)
 
     def _decode_compressed(self, pos, slots, tables, x, q_res, cos, sin, comp):
         (ckv, cgate), idx_proj = comp
