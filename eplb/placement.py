@@ -27,6 +27,7 @@ class ExpertPlacement:
     """
 
     def __init__(self, phy2log, num_gpus: int, num_experts: int | None = None):
+        """Validate phy2log (ValueError naming the problem) and build log2phy and logcnt."""
         p = torch.as_tensor(phy2log, dtype=torch.int64)
         p = p[None] if p.dim() == 1 else p
         if p.dim() != 2 or p.numel() == 0:
@@ -68,6 +69,7 @@ class ExpertPlacement:
         return range(rank * self.slots_per_gpu, (rank + 1) * self.slots_per_gpu)
 
     def to_json(self) -> dict:
+        """The plan-file fields (see save_plan / load_plan)."""
         return {"phy2log": self.phy2log.cpu().tolist(), "num_gpus": self.num_gpus,
                 "num_logical_experts": self.num_experts, "num_layers": self.num_layers,
                 "num_replicas": self.num_physical}
@@ -183,6 +185,7 @@ def rearrange(expert_weights: dict, old_phy2log, new_phy2log, num_gpus: int = 1)
 
 
 def _as_2d(p) -> torch.Tensor:
+    """phy2log [R] or [L, R] -> int64 CPU tensor [L, R]."""
     p = torch.as_tensor(p, dtype=torch.int64).cpu()
     return p[None] if p.dim() == 1 else p
 

@@ -136,12 +136,14 @@ def _check_config(E, R, groups, nodes, gpus, policy) -> bool:
 
 
 def _check_packing(packing: str) -> str:
+    """The packing name, or ValueError."""
     if packing not in ("rounds", "greedy"):
         raise ValueError(f"packing must be 'rounds' or 'greedy', got {packing!r}")
     return packing
 
 
 def _check_prev(prev, L, E, R) -> np.ndarray:
+    """prev_phy2log -> int64 array [L, R] of ids in [0, E), or ValueError."""
     p = prev.detach().cpu().numpy() if isinstance(prev, torch.Tensor) else np.asarray(prev)
     if p.shape != (L, R):
         raise ValueError(f"prev_phy2log has shape {p.shape}, expected (layers, num_replicas) = {(L, R)}")
@@ -441,6 +443,7 @@ def _ragged_items(need, u):
 
 
 def _polish(grid, unit, opts) -> np.ndarray:
+    """grid [rows, m, k] -> duplicates repaired (if asked), then swap-refined (if asked)."""
     if opts.avoid_duplicates:
         grid = _repair_duplicates(grid, unit)
     if opts.refine:
@@ -514,20 +517,22 @@ def _best_swap_for(g, u, p, a, e) -> np.ndarray:
 
 
 def _round_robin(g) -> np.ndarray:
+    """[rows, m, k]: the same items, expert-sorted, item i to pack i mod m (no duplicates if cnt <= m)."""
     rows, m, k = g.shape
     items = np.sort(g.reshape(rows, -1), 1)
     return items.reshape(rows, k, m).transpose(0, 2, 1).copy()
 
 
 def _refine(grid, unit, iters, avoid_dup, goal=None) -> np.ndarray:
-    """Pairwise swaps between heavy and light packs until no swap helps (or ``iters`` passes).
+    """Pairwise swaps between heavy and light packs of grid [rows, m, k] until no swap helps.
 
     Packs are sorted by load and paired (heaviest with lightest, ...); the pairing shifts every pass so
     that a stuck heavy pack meets other partners. With one step every pair's maximum only goes down, so
     the busiest pack never gets busier; with S steps only the best swap per row is taken and only if it
     lowers sum over steps of the busiest pack.
-    With ``goal`` [rows] (planning from the previous placement) every swap is a weight move, so only the
-    busiest pack swaps, each pass trying another partner, and a row stops once its maximum <= goal.
+    With ``goal`` [rows] (planning from the previous placement) every swap is a weight move: only packs
+    above the goal swap, rows stop once their maximum is <= goal, and rows still above it get a second
+    phase in which the busiest pack alone meets every other pack in turn.
     """
     rows, m, k = grid.shape
     if m < 2:
@@ -540,37 +545,34 @@ def _refine(grid, unit, iters, avoid_dup, goal=None) -> np.ndarray:
     items = u[np.arange(rows)[:, None], grid.reshape(rows, -1)]
     lightest = np.partition(items, k - 2, 1)[:, :k - 1].sum(1) if k > 1 else 0
     bound = np.maximum(items.max(1) + lightest, items.sum(1) / m) + tol
-    patience = min(2, m // 2) if goal is None else m // 2
     if goal is not None:
         bound = np.maximum(bound, goal)
-    small = np.int16 if unit.shape[1] < 2 ** 15 else np.int64                 # less memory traffic
-    gR = np.ascontiguousarray(grid.transpose(0, 2, 1), dtype=small)             # [rows, k, m]
-    # rows lead so that row subsets are cheap gathers; passes get [k, rows, m] views (small axes lead,
-    # which numpy reduces fast)
-
-    def over():
-        return np.take_along_axis(u, gR.reshape(rows, -1), 1).reshape(gR.shape).sum(1).max(1) > bound
-    active = np.flatnonzero(over())
-    if active.size == 0:
-        return grid
-    # with a goal, rows still above it finish with the busiest pack alone meeting every other pack
-    phases = [(False, patience, iters)] + ([(True, m - 1, 4 * m)] if goal is not None else [])
-    for single, patience, passes in phases:
-        stale = np.zeros(rows, np.int64)
-        best = np.full(rows, np.inf)
-        for it in range(passes):
-            if active.size == 0:
-                break
-            sub = gR[active]
-            top = _swap_pass(sub.transpose(1, 0, 2), u[active], it, tol[active], avoid_dup,
-                             None if goal is None else goal[active], single)
-            gR[active] = sub
-            # only a lower maximum counts as progress; stop rows at the bound or stuck for a few shifts
-            stale[active] = np.where(top < best[active] - tol[active], 0, stale[active] + 1)
-            best[active] = np.minimum(best[active], top)
-            active = active[(stale[active] < patience) & (best[active] > bound[active])]
-        active = np.flatnonzero(over())
+    # rows lead, so that row subsets are cheap gathers; passes see [k, rows, m] views (small axes lead,
+    # which numpy reduces fast); int16 ids halve the memory traffic
+    gR = np.ascontiguousarray(grid.transpose(0, 2, 1), dtype=np.int16 if u.shape[1] < 2 ** 15 else np.int64)
+    _swap_phase(gR, u, bound, tol, avoid_dup, goal, iters, min(2, m // 2) if goal is None else m // 2, False)
+    if goal is not None:
+        _swap_phase(gR, u, bound, tol, avoid_dup, goal, 4 * m, m - 1, True)
     return np.ascontiguousarray(gR.transpose(0, 2, 1), dtype=np.int64)
+
+
+def _swap_phase(gR, u, bound, tol, avoid_dup, goal, passes, patience, single) -> None:
+    """Run swap passes on the rows of gR [rows, k, m] (in place) whose busiest pack is above ``bound``;
+    a row leaves after ``patience`` passes without a lower maximum, or when it reaches the bound."""
+    rows = gR.shape[0]
+    active = np.flatnonzero(np.take_along_axis(u, gR.reshape(rows, -1), 1).reshape(gR.shape).sum(1).max(1) > bound)
+    stale = np.zeros(rows, np.int64)
+    best = np.full(rows, np.inf)
+    for it in range(passes):
+        if active.size == 0:
+            return
+        sub = gR[active]
+        top = _swap_pass(sub.transpose(1, 0, 2), u[active], it, tol[active], avoid_dup,
+                         None if goal is None else goal[active], single)
+        gR[active] = sub
+        stale[active] = np.where(top < best[active] - tol[active], 0, stale[active] + 1)
+        best[active] = np.minimum(best[active], top)
+        active = active[(stale[active] < patience) & (best[active] > bound[active])]
 
 
 def _argsort_rows(x, descending=False) -> np.ndarray:
@@ -639,6 +641,7 @@ def _swap_pass(gT, u, shift, tol, avoid_dup, goal=None, single=False):
 
 
 def _refine_peaks(grid, unit, iters, avoid_dup) -> np.ndarray:
+    """Per-step variant of _refine: grid [rows, m, k], unit [rows, n, S]; one best swap per row and pass."""
     rows, m, k = grid.shape
     tol = 1e-6 * unit.sum((1, 2)) / m + 1e-30
     active = np.arange(rows)

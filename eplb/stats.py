@@ -15,6 +15,7 @@ class ExpertLoadRecorder:
     accumulates the step in progress."""
 
     def __init__(self, num_layers: int, num_experts: int, window: int, device=None):
+        """Counts live on ``device`` (put it where the router runs); sizes must be positive integers."""
         for name, v in (("num_layers", num_layers), ("num_experts", num_experts), ("window", window)):
             if not isinstance(v, (int, np.integer)) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
