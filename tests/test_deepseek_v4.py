@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from deepinfer.engine.cache_spec import CacheTensor
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
@@ -441,6 +442,7 @@ def test_cache_spec_layout_and_memory_plan():
     assert exact.paged["layers.2.hca_kv"].shape == (2, 32)  # 32 tokens / rate 16
     assert exact.state["layers.0.swa_ring"].shape == (8 + 3, 32)  # window + max_backtracking
     assert exact.state["layers.1.csa_overlap_kv"].shape == (4, 32)
+    assert exact.state["layers.2.hca_acc"] == CacheTensor((3, 32), torch.float32)  # online softmax
     assert exact.state["layers.1.idx_buf_gate"].shape == (4, 64)
     assert quant.paged["layers.1.csa_kv"].shape == (8, 16) and quant.paged["layers.1.csa_kv_scale"].shape == (8, 2)
     assert quant.paged["layers.1.indexer_k_scale"].shape == (8, 1)

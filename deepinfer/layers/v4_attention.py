@@ -241,6 +241,86 @@ class Compressor(nn.Module):
         self.pool.write(self.pool.rows(block_tables[done], window_ids[:, None])[:, 0], entries)
 
 
+class HCACompressor(Compressor):
+    """HCA compressor (no overlap, rate m' = 128) whose unfinished window is kept as an online-softmax
+    accumulator instead of its raw tokens: per channel the running max of gate + bias, the running sum of
+    exp(gate + bias - max) and of kv * exp(...), all fp32, state acc [3, D] (1.5 KB at D = 128 instead of
+    2 * m' * D model-dtype values: 64 KB in bf16). Windows that a single prefill covers are pooled exactly
+    as the reference; a window spanning steps is pooled online, which equals the reference's softmax up to
+    fp32 rounding."""
+
+    def __init__(self, hidden_size: int, dim: int, rate: int, eps: float, dtype: torch.dtype):
+        super().__init__(hidden_size, dim, rate, False, eps, dtype)
+        self.acc: torch.Tensor | None = None  # state pool [slots, 3, D] fp32: max, denominator, numerator
+
+    def bind(self, pool: EntryPool, acc: torch.Tensor) -> None:
+        self.pool, self.acc = pool, acc
+
+    @staticmethod
+    def merge(acc: torch.Tensor, kv: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+        """acc [..., 3, D]; kv, logit [..., n, D] (fp32 logit = gate + bias) -> acc with the n tokens added."""
+        m_old, s_old, num_old = acc.unbind(-2)
+        m = torch.maximum(m_old, logit.amax(dim=-2))
+        old = torch.exp(m_old - m)  # 0 for an empty accumulator (m_old = -inf)
+        w = torch.exp(logit - m.unsqueeze(-2))
+        s = s_old * old + w.sum(dim=-2)
+        num = num_old * old + (kv.float() * w).sum(dim=-2)
+        return torch.stack([m, s, num], dim=-2)
+
+    def empty(self, *batch) -> torch.Tensor:
+        acc = torch.zeros(*batch, 3, self.dim)
+        acc[..., 0, :] = float("-inf")
+        return acc
+
+    def finish(self, acc: torch.Tensor, window_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """acc [n, 3, D] of complete windows -> entries [n, D] (normed, roped)."""
+        entries = self.kv_norm((acc[:, 2] / acc[:, 1]).to(dtype))
+        cos, sin = self.rope(window_ids * self.rate, entries.dtype)
+        return apply_rope(entries, cos, sin)
+
+    def prefill_update(self, kv, gate, p0: int, slot: int, block_table: torch.Tensor, emit: bool = True) -> None:
+        r, S = self.rate, kv.shape[0]
+        held = p0 % r
+        logit = gate + self.position_bias[(torch.arange(p0, p0 + S) % r)]
+        head = min(S, r - held) if held else 0
+        if head:  # the window this sequence left unfinished
+            acc = self.acc[slot] if emit else self.empty()  # replay: it began before the span; unused
+            acc = self.merge(acc, kv[:head], logit[:head])
+            if held + head == r:
+                if emit:
+                    self._write(self.finish(acc[None], torch.tensor([p0 // r]), kv.dtype), p0 // r, block_table)
+            else:
+                self.acc[slot] = acc
+                return
+        n = (S - head) // r
+        if n:  # whole windows: pooled exactly as the reference
+            w0 = (p0 + head) // r
+            body = slice(head, head + n * r)
+            chunk_kv, chunk_gate = kv[body].view(n, r, -1), gate[body].view(n, r, -1)
+            if emit:
+                ids = torch.arange(w0, w0 + n)
+                self._write(self.pool_windows(chunk_kv, chunk_gate, None, None, None, ids), w0, block_table)
+        tail = slice(head + n * r, S)
+        self.acc[slot] = self.merge(self.empty(), kv[tail], logit[tail])
+
+    def _write(self, entries: torch.Tensor, w0: int, block_table: torch.Tensor) -> None:
+        ids = torch.arange(w0, w0 + entries.shape[0])
+        self.pool.write(self.pool.rows(block_table[None], ids[None])[0], entries)
+
+    def decode_update(self, kv, gate, positions, slots, block_tables) -> None:
+        r = self.rate
+        col = positions % r
+        acc = self.acc[slots]
+        acc = torch.where((col == 0)[:, None, None], self.empty(len(slots)), acc)  # a new window starts
+        acc = self.merge(acc, kv[:, None], (gate + self.position_bias[col])[:, None])
+        self.acc[slots] = acc
+        done = (col == r - 1).nonzero().flatten()
+        if done.numel():
+            window_ids = positions[done] // r
+            entries = self.finish(acc[done], window_ids, kv.dtype)
+            self.pool.write(self.pool.rows(block_tables[done], window_ids[:, None])[:, 0], entries)
+
+
 class IndexerScorer(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, dtype: torch.dtype):
         super().__init__()
@@ -316,10 +396,11 @@ class V4Attention(nn.Module):
         self.compressor = None
         if layer_type != "sliding_attention":
             rate = rates[layer_type]
-            csa = layer_type == "compressed_sparse_attention"
-            self.compressor = Compressor(cfg.hidden_size, self.head_dim, rate, csa, self.eps, dtype)
-            if csa:
+            if layer_type == "compressed_sparse_attention":
+                self.compressor = Compressor(cfg.hidden_size, self.head_dim, rate, True, self.eps, dtype)
                 self.compressor.indexer = Indexer(cfg, rate, dtype)
+            else:
+                self.compressor = HCACompressor(cfg.hidden_size, self.head_dim, rate, self.eps, dtype)
         self.ring: torch.Tensor | None = None  # state pool [slots, ring_len, D]
 
     @property

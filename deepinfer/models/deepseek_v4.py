@@ -332,8 +332,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             r = self.rates[kind]
             main = "csa_kv" if kind == CSA else "hca_kv"
             self._entry_spec(spec, p + main, block_size // r, D, "nvfp4" if kv_cache_dtype == "fp4" else "auto")
-            spec.state[p + main[:3] + "_buf_kv"] = CacheTensor((r, D * (2 if kind == CSA else 1)), dt)
-            spec.state[p + main[:3] + "_buf_gate"] = CacheTensor((r, D * (2 if kind == CSA else 1)), dt)
+            if kind == HCA:  # online-softmax accumulator of the unfinished window (max, sum, weighted sum)
+                spec.state[p + "hca_acc"] = CacheTensor((3, D), torch.float32)
+            else:
+                spec.state[p + "csa_buf_kv"] = CacheTensor((r, 2 * D), dt)
+                spec.state[p + "csa_buf_gate"] = CacheTensor((r, 2 * D), dt)
             if kind == CSA:
                 self._entry_spec(spec, p + "indexer_k", block_size // r, Di,
                                  "mxfp4" if kv_cache_dtype == "fp4" else "auto")
@@ -362,10 +365,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             if attn.compressor is None:
                 continue
             main = "csa_kv" if attn.layer_type == CSA else "hca_kv"
-            pre = main[:3]
             pool = self._entry_pool(paged, p + main, "nvfp4")
             if attn.indexer is None:
-                attn.compressor.bind(pool, state[p + pre + "_buf_kv"], state[p + pre + "_buf_gate"])
+                attn.compressor.bind(pool, state[p + "hca_acc"])
                 continue
             attn.compressor.bind(pool, state[p + "csa_buf_kv"], state[p + "csa_buf_gate"],
                                  state[p + "csa_overlap_kv"], state[p + "csa_overlap_gate"])
