@@ -30,6 +30,9 @@ class EngineConfig:
     seed: int
     engine_type: str
     num_threads: int
+    enable_eplb: bool = False
+    eplb_config: dict | None = None
+    eplb_plan: str | None = None
 
     @staticmethod
     def default_num_threads() -> int:

@@ -19,19 +19,37 @@ class LLM:
     max_model_len: defaults to the model's max_position_embeddings; max_num_batched_tokens to
     max(8192, max_model_len).
     engine_type: "normal" (prefill and decode), "prompt" (prefill, then hand off) or "completion".
-    num_threads: CPU threads for torch and our kernels (set process-wide); see EngineConfig."""
+    num_threads: CPU threads for torch and our kernels (set process-wide); see EngineConfig.
+    enable_eplb: replan expert placement every eplb_config["step_interval"] steps on the last
+    eplb_config["window_size"] steps (see engine/eplb.py for all keys); eplb_plan: a plan JSON from
+    `python -m eplb.replan` to start with. Expert load is recorded for every MoE model."""
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,
                  block_size: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
-                 engine_type: str = "normal", num_threads: int | None = None):
+                 engine_type: str = "normal", num_threads: int | None = None, enable_eplb: bool = False,
+                 eplb_config: dict | None = None, eplb_plan: str | None = None):
         config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
                               kv_cache_memory=kv_cache_memory, block_size=block_size,
                               kv_cache_dtype=kv_cache_dtype, seed=seed, engine_type=engine_type,
-                              num_threads=num_threads or EngineConfig.default_num_threads())
+                              num_threads=num_threads or EngineConfig.default_num_threads(),
+                              enable_eplb=enable_eplb, eplb_config=eplb_config, eplb_plan=eplb_plan)
         self.engine = LLMEngine(config)
         self._request_counter = 0
+
+    def get_expert_load(self):
+        """[W, L, E] tokens per logical expert per MoE layer for the last W completed steps."""
+        return self._eplb().recorder.window_load()
+
+    def dump_expert_load(self, path: str) -> None:
+        """Writes get_expert_load() to an .npz (load plus shape metadata) for `python -m eplb.replan`."""
+        self._eplb().recorder.dump(path)
+
+    def _eplb(self):
+        if self.engine.eplb is None:
+            raise ValueError("this model has no MoE layers, so it has no expert load")
+        return self.engine.eplb
 
     def get_tokenizer(self):
         return self.engine.tokenizer

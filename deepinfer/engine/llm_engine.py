@@ -12,7 +12,9 @@ import torch
 from deepinfer import _C
 from deepinfer.config import EngineConfig, hf_get
 from deepinfer.engine.cache_engine import CacheEngine
+from deepinfer.engine.eplb import EplbConfig, EplbState
 from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.layers.moe import RoutedMoE
 from deepinfer.layers.sampler import SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -69,6 +71,7 @@ class LLMEngine:
         self.model, self.hf_config = load_model(config.model, config.dtype)
         config.fill_defaults(self.hf_config)
         self.tokenizer = load_tokenizer(config.model)
+        self.eplb = self._make_eplb()
         self.vocab_size = self.hf_config.vocab_size
         if config.block_size % self.model.block_size_multiple:
             raise ValueError(f"LLM(block_size={config.block_size}) must be a multiple of "
@@ -83,6 +86,15 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Handoff] = []
         self._seq_counter = itertools.count()
+
+    def _make_eplb(self) -> EplbState | None:
+        blocks = [m for m in self.model.modules() if isinstance(m, RoutedMoE)]
+        if not blocks:
+            if self.config.enable_eplb or self.config.eplb_plan:
+                raise ValueError("LLM(enable_eplb / eplb_plan): the model has no routed MoE layers")
+            return None
+        return EplbState(blocks, EplbConfig.from_dict(self.config.eplb_config), self.config.enable_eplb,
+                         self.config.eplb_plan)
 
     def _scheduler_config(self):
         c = _C.SchedulerConfig()
@@ -145,6 +157,8 @@ class LLMEngine:
         states = [self.seqs[s] for s in batch.seq_ids]
         out = self.runner.execute(batch, self._sampling_batch(states))
         results = self.scheduler.process(batch, out.tokens.tolist())
+        if self.eplb is not None:
+            self.eplb.end_step()
         finished = set()
         for row, res in enumerate(results):
             if self._apply(row, res, out, batch):

@@ -29,6 +29,18 @@ class FusedMoE(nn.Module):
         rows *= topk_weights.flatten()[order, None].to(rows.dtype)
         return torch.zeros_like(x).index_add_(0, token_idx, rows.to(x.dtype))
 
+    def to_physical(self, phy2log: torch.Tensor) -> None:
+        """Lays the logical experts out as physical slots: slot s holds expert phy2log[s] ([R])."""
+        if torch.equal(phy2log, torch.arange(self.num_experts)):
+            return
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.data[phy2log].contiguous(), requires_grad=False)
+        self.down_proj = nn.Parameter(self.down_proj.data[phy2log].contiguous(), requires_grad=False)
+        self.num_experts = len(phy2log)
+
+    def slot_weights(self) -> dict[str, torch.Tensor]:
+        """name -> [R, ...] weights by physical slot, for EPLB rearrangement."""
+        return {"gate_up_proj": self.gate_up_proj.data, "down_proj": self.down_proj.data}
+
     def _run_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """grouped [S, H] rows sorted by expert, counts [E] -> [S, H] expert outputs."""
         if self.gate_up_proj.dtype == torch.bfloat16:
@@ -42,3 +54,26 @@ class FusedMoE(nn.Module):
                 out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[expert])
             start = end
         return out
+
+
+class RoutedMoE(nn.Module):
+    """A router plus FusedMoE experts. Subclasses implement route(); forward records the routing
+    for EPLB and maps logical experts to physical slots when a placement is set (see engine/eplb.py).
+
+    moe_index: this layer's index among the model's MoE layers (set by the engine)."""
+
+    def __init__(self, experts: FusedMoE):
+        super().__init__()
+        self.experts = experts
+        self.moe_index = 0
+        self.eplb = None  # engine.eplb.EplbState, shared by all MoE layers of the model
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (logical expert ids [T, k], weights [T, k])."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        if self.eplb is not None:
+            ids = self.eplb.on_route(self.moe_index, ids)
+        return self.experts(x, ids, weights)

@@ -6,18 +6,17 @@ from torch import nn
 
 from deepinfer.config import hf_get
 from deepinfer.layers.linear import Linear
-from deepinfer.layers.moe import FusedMoE
+from deepinfer.layers.moe import FusedMoE, RoutedMoE
 from deepinfer.models.llama import MLP, LlamaForCausalLM
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(RoutedMoE):
     def __init__(self, cfg, dtype):
-        super().__init__()
+        num_experts = hf_get(cfg, "num_experts", "num_local_experts")
+        super().__init__(FusedMoE(num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype))
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = bool(hf_get(cfg, "norm_topk_prob", default=False))
-        num_experts = hf_get(cfg, "num_experts", "num_local_experts")
         self.gate = Linear(cfg.hidden_size, num_experts, dtype)
-        self.experts = FusedMoE(num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype)
         self.experts.gate_up_proj.shard_sizes = [cfg.moe_intermediate_size] * 2
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,10 +26,6 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights.to(x.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
-        return self.experts(x, ids, weights)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
