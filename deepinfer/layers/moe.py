@@ -60,13 +60,16 @@ class RoutedMoE(nn.Module):
     """A router plus FusedMoE experts. Subclasses implement route(); forward records the routing
     for EPLB and maps logical experts to physical slots when a placement is set (see engine/eplb.py).
 
-    moe_index: this layer's index among the model's MoE layers (set by the engine)."""
+    moe_index: this layer's index among the model's MoE layers (set by the engine).
+    ep: when expert-parallel, an object with run(x, physical_ids, weights, experts) -> [T, H] that
+    dispatches tokens to the ranks owning their slots, runs the local experts and combines."""
 
     def __init__(self, experts: FusedMoE):
         super().__init__()
         self.experts = experts
         self.moe_index = 0
         self.eplb = None  # engine.eplb.EplbState, shared by all MoE layers of the model
+        self.ep = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (logical expert ids [T, k], weights [T, k])."""
@@ -76,4 +79,6 @@ class RoutedMoE(nn.Module):
         ids, weights = self.route(x)
         if self.eplb is not None:
             ids = self.eplb.on_route(self.moe_index, ids)
+        if self.ep is not None:
+            return self.ep.run(x, ids, weights, self.experts)
         return self.experts(x, ids, weights)
