@@ -259,6 +259,8 @@ class HCACompressor(Compressor):
     @staticmethod
     def merge(acc: torch.Tensor, kv: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
         """acc [..., 3, D]; kv, logit [..., n, D] (fp32 logit = gate + bias) -> acc with the n tokens added."""
+        if kv.shape[-2] == 0:
+            return acc
         m_old, s_old, num_old = acc.unbind(-2)
         m = torch.maximum(m_old, logit.amax(dim=-2))
         old = torch.exp(m_old - m)  # 0 for an empty accumulator (m_old = -inf)
