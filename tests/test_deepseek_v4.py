@@ -480,3 +480,19 @@ def test_routing_softmax_and_grouped_experts_match_per_token_loop():
             y = y + we * (moe.experts.down_proj[e] @ swiglu_clamped(gate, up, 0.7))
         ref.append(y)
     torch.testing.assert_close(got, torch.stack(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_is_as_close_to_fp32_as_transformers_bf16(ckpt):
+    """bf16 weights run through the C++ kernel (fp32 accumulation) and fp32 attention; measured max
+    |dlogit| vs the fp32 reference: ours 0.038, transformers' bf16 0.042."""
+    from transformers import DeepseekV4ForCausalLM as HF
+
+    path, hf32 = ckpt
+    prompt = prompt_of(70, 3)
+    with torch.no_grad():
+        ref = hf32(torch.tensor([prompt])).logits[0, -1].float()
+        theirs = HF.from_pretrained(path, dtype=torch.bfloat16)(torch.tensor([prompt])).logits[0, -1].float()
+    d = Driver(load_ours(path, torch.bfloat16))
+    d.add(0, prompt)
+    ours = d.step([0], True)[0]
+    assert (ours - ref).abs().max() <= 1.5 * (theirs - ref).abs().max() + 1e-3
