@@ -33,6 +33,7 @@ class EngineConfig:
     enable_eplb: bool = False
     eplb_config: dict | None = None
     eplb_plan: str | None = None
+    speculative: dict | None = None
 
     @staticmethod
     def default_num_threads() -> int:

@@ -22,20 +22,31 @@ class LLM:
     num_threads: CPU threads for torch and our kernels (set process-wide); see EngineConfig.
     enable_eplb: replan expert placement every eplb_config["step_interval"] steps on the last
     eplb_config["window_size"] steps (see engine/eplb.py for all keys); eplb_plan: a plan JSON from
-    `python -m eplb.replan` to start with. Expert load is recorded for every MoE model."""
+    `python -m eplb.replan` to start with. Expert load is recorded for every MoE model.
+    speculative: {"method": "mtp" | "ngram" | "replay", "num_draft_tokens": k, "verify": "greedy" | "all"}
+    (see spec/speculator.py); lossless: outputs are distributed exactly as without it.
+    data_parallel_size: k > 1 runs k DP ranks as Ray actors (attention per rank, routed experts split
+    over ranks); ray_address joins a Ray cluster instead of starting one on 127.0.0.1; dp_config: the
+    DPConfig keys in engine/dp.py (vote intervals, resources per rank, timeouts)."""
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,
                  block_size: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
                  engine_type: str = "normal", num_threads: int | None = None, enable_eplb: bool = False,
-                 eplb_config: dict | None = None, eplb_plan: str | None = None):
+                 eplb_config: dict | None = None, eplb_plan: str | None = None, speculative: dict | None = None,
+                 data_parallel_size: int = 1, ray_address: str | None = None, dp_config: dict | None = None):
         config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
                               kv_cache_memory=kv_cache_memory, block_size=block_size,
                               kv_cache_dtype=kv_cache_dtype, seed=seed, engine_type=engine_type,
                               num_threads=num_threads or EngineConfig.default_num_threads(),
-                              enable_eplb=enable_eplb, eplb_config=eplb_config, eplb_plan=eplb_plan)
-        self.engine = LLMEngine(config)
+                              enable_eplb=enable_eplb, eplb_config=eplb_config, eplb_plan=eplb_plan,
+                              speculative=speculative)
+        if data_parallel_size == 1:
+            self.engine = LLMEngine(config)
+        else:  # DP attention + EP MoE over Ray ranks (engine/dp.py)
+            from deepinfer.engine.dp import DPEngine
+            self.engine = DPEngine(config, data_parallel_size, ray_address, dp_config)
         self._request_counter = 0
 
     def get_expert_load(self):

@@ -17,6 +17,10 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: drafts sent to verification and how many were accepted, over all
+    # completions of the request (acceptance rate = accepted / verified).
+    spec_verified_drafts: int = 0
+    spec_accepted_drafts: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

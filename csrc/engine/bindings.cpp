@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "engine/mtp_varlen.h"
 #include "engine/scheduler.h"
 
 namespace py = pybind11;
@@ -109,6 +110,7 @@ PYBIND11_MODULE(_C, m) {
                              [](const ScheduledBatch& b) { return to_numpy(b.query_start_loc); })
       .def_property_readonly("context_lens", [](const ScheduledBatch& b) { return to_numpy(b.context_lens); })
       .def_property_readonly("state_slots", [](const ScheduledBatch& b) { return to_numpy(b.state_slots); })
+      .def_property_readonly("draft_lens", [](const ScheduledBatch& b) { return to_numpy(b.draft_lens); })
       .def_property_readonly("block_tables", [](const ScheduledBatch& b) {
         py::array_t<int32_t> a = to_numpy(b.block_tables);
         return a.reshape({static_cast<py::ssize_t>(b.seq_ids.size()), static_cast<py::ssize_t>(b.max_blocks)});
@@ -116,7 +118,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<StepOutput>(m, "StepOutput")
       .def_readonly("seq_id", &StepOutput::seq_id)
-      .def_readonly("token", &StepOutput::token)
+      .def_readonly("tokens", &StepOutput::tokens)
       .def_readonly("finished", &StepOutput::finished)
       .def_readonly("reason", &StepOutput::reason)
       .def_readonly("stop_token", &StepOutput::stop_token);
@@ -128,16 +130,31 @@ PYBIND11_MODULE(_C, m) {
            py::arg("num_prompt_tokens"), py::arg("limits"))
       .def("schedule", &Scheduler::schedule, py::call_guard<py::gil_scoped_release>())
       .def("process", &Scheduler::process, py::call_guard<py::gil_scoped_release>())
+      .def("process_multi", &Scheduler::process_multi, py::call_guard<py::gil_scoped_release>())
+      .def("set_drafts", &Scheduler::set_drafts, py::arg("seq_id"), py::arg("drafts"))
       .def("finish", &Scheduler::finish)
       .def("release", &Scheduler::release)
       .def("sequence", &Scheduler::sequence, py::return_value_policy::copy)
       .def("has_unfinished", &Scheduler::has_unfinished)
+      .def("running_ids", &Scheduler::running_ids)
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_free_state_slots", &Scheduler::num_free_state_slots)
       .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
       .def_property_readonly("block_manager", &Scheduler::block_manager, py::return_value_policy::reference_internal)
       .def("check_invariants", &Scheduler::check_invariants);
+
+  py::class_<StepTimeCurve>(m, "StepTimeCurve")
+      .def(py::init<std::vector<double>, std::vector<double>>(), py::arg("tokens"), py::arg("ms"))
+      .def("ms", &StepTimeCurve::ms)
+      .def_property_readonly("tokens", &StepTimeCurve::tokens)
+      .def_property_readonly("times", &StepTimeCurve::times);
+  py::class_<MTPVarlen>(m, "MTPVarlen")
+      .def(py::init<StepTimeCurve>(), py::arg("curve"))
+      .def("schedule", &MTPVarlen::schedule, py::arg("confidences"), py::call_guard<py::gil_scoped_release>())
+      .def("budget", &MTPVarlen::budget, py::arg("confidences"), py::call_guard<py::gil_scoped_release>())
+      .def_static("distribute", &MTPVarlen::distribute, py::arg("budget"), py::arg("confidences"))
+      .def_property_readonly("curve", &MTPVarlen::curve);
 
   bind_cpu_kernels(m);
 }

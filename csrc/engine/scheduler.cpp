@@ -27,6 +27,12 @@ Sequence* Scheduler::lookup(int64_t seq_id) const {
 
 const Sequence& Scheduler::sequence(int64_t seq_id) const { return *lookup(seq_id); }
 
+std::vector<int64_t> Scheduler::running_ids() const {
+  std::vector<int64_t> ids;
+  for (const Sequence* s : running_) ids.push_back(s->seq_id);
+  return ids;
+}
+
 void Scheduler::add_sequence(int64_t seq_id, const std::vector<int32_t>& prompt,
                              const SamplingLimits& limits) {
   DI_REQUIRE(config_.engine_type != EngineType::COMPLETION,
@@ -113,6 +119,10 @@ bool Scheduler::schedule_decode(ScheduledBatch& batch) {
   size_t last = running_.size();
   for (size_t i = 0; i < last; ++i) {
     Sequence* seq = running_[i];
+    // Drafts ride along only if their blocks are free: speculation never evicts anyone.
+    if (!seq->draft_tokens.empty() &&
+        !blocks_.append(seq->block_table, seq->num_tokens() + static_cast<int>(seq->draft_tokens.size())))
+      seq->draft_tokens.clear();
     bool ok = blocks_.append(seq->block_table, seq->num_tokens());
     while (!ok && last > i + 1) {
       preempt(running_[--last], batch);
@@ -134,6 +144,7 @@ bool Scheduler::schedule_decode(ScheduledBatch& batch) {
 
 void Scheduler::preempt(Sequence* seq, ScheduledBatch& batch) {
   release_resources(seq);
+  seq->draft_tokens.clear();
   seq->status = SequenceStatus::WAITING;
   seq->num_computed_tokens = 0;
   ++seq->num_preemptions;
@@ -164,11 +175,19 @@ void Scheduler::prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence
       batch.positions.push_back(pos);
       batch.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[pos / bs]) * bs + pos % bs);
     }
+    for (size_t j = 0; j < seq->draft_tokens.size(); ++j) {
+      int pos = seq->num_tokens() + static_cast<int>(j);
+      batch.input_ids.push_back(seq->draft_tokens[j]);
+      batch.positions.push_back(pos);
+      batch.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[pos / bs]) * bs + pos % bs);
+    }
+    batch.draft_lens.push_back(static_cast<int32_t>(seq->draft_tokens.size()));
+    seq->draft_tokens.clear();
     seq->num_computed_tokens = seq->num_tokens();
     ++seq->schedule_cnt;
     batch.seq_ids.push_back(seq->seq_id);
     batch.query_start_loc.push_back(static_cast<int32_t>(batch.input_ids.size()));
-    batch.context_lens.push_back(seq->num_tokens());
+    batch.context_lens.push_back(seq->num_tokens() + batch.draft_lens.back());
     batch.state_slots.push_back(seq->state_slot);
     std::copy(seq->block_table.begin(), seq->block_table.end(),
               batch.block_tables.begin() + i * batch.max_blocks);
@@ -203,28 +222,59 @@ bool Scheduler::append_token(Sequence* seq, int32_t token) {
 
 std::vector<StepOutput> Scheduler::process(const ScheduledBatch& batch,
                                            const std::vector<int32_t>& tokens) {
-  DI_REQUIRE(tokens.size() == batch.seq_ids.size(), "one sampled token per scheduled sequence");
+  std::vector<std::vector<int32_t>> per_seq;
+  per_seq.reserve(tokens.size());
+  for (int32_t t : tokens) per_seq.push_back({t});
+  return process_multi(batch, per_seq);
+}
+
+std::vector<StepOutput> Scheduler::process_multi(const ScheduledBatch& batch,
+                                                 const std::vector<std::vector<int32_t>>& tokens) {
+  DI_REQUIRE(tokens.size() == batch.seq_ids.size(), "one token list per scheduled sequence");
   std::vector<StepOutput> out;
   out.reserve(tokens.size());
   for (size_t i = 0; i < tokens.size(); ++i) {
     Sequence* seq = lookup(batch.seq_ids[i]);
+    const int drafts = batch.draft_lens.empty() ? 0 : batch.draft_lens[i];
+    DI_REQUIRE(!tokens[i].empty() && static_cast<int>(tokens[i].size()) <= drafts + 1,
+               "sequence " + std::to_string(seq->seq_id) + ": between 1 and drafts + 1 tokens per step");
     ++seq->process_cnt;
-    bool done;
-    if (tokens[i] < 0) {
+    StepOutput res{seq->seq_id, {}, false, FinishReason::NONE, -1};
+    if (tokens[i][0] < 0) {
       seq->finish_reason = FinishReason::ERROR;
-      done = true;
-    } else {
-      done = append_token(seq, tokens[i]);
+      res.finished = true;
     }
-    if (!done && config_.engine_type == EngineType::PROMPT) {
-      seq->finish_reason = FinishReason::HANDOFF;
-      done = true;
+    for (size_t j = 0; j < tokens[i].size() && !res.finished; ++j) {
+      res.tokens.push_back(tokens[i][j]);
+      res.finished = append_token(seq, tokens[i][j]);
     }
-    out.push_back({seq->seq_id, tokens[i], done, seq->finish_reason, seq->stop_token});
-    if (done) finish(seq->seq_id, seq->finish_reason);
+    if (!res.finished) {
+      // KV exists for every token but the newest; rejected drafts' slots are simply overwritten later.
+      seq->num_computed_tokens = seq->num_tokens() - 1;
+      int keep = blocks_.blocks_for(seq->num_tokens());
+      if (static_cast<int>(seq->block_table.size()) > keep) {
+        blocks_.free(std::vector<int>(seq->block_table.begin() + keep, seq->block_table.end()));
+        seq->block_table.resize(keep);
+      }
+      if (config_.engine_type == EngineType::PROMPT) {
+        seq->finish_reason = FinishReason::HANDOFF;
+        res.finished = true;
+      }
+    }
+    res.reason = seq->finish_reason;
+    res.stop_token = seq->stop_token;
+    out.push_back(res);
+    if (res.finished) finish(seq->seq_id, seq->finish_reason);
   }
   DI_CHECK((check_invariants(), true), "");
   return out;
+}
+
+void Scheduler::set_drafts(int64_t seq_id, const std::vector<int32_t>& drafts) {
+  Sequence* seq = lookup(seq_id);
+  DI_REQUIRE(seq->status == SequenceStatus::RUNNING, "drafts only for running sequences");
+  int room = config_.max_model_len - seq->num_tokens() - 1;
+  seq->draft_tokens.assign(drafts.begin(), drafts.begin() + std::max(0, std::min<int>(room, drafts.size())));
 }
 
 void Scheduler::remove_running(Sequence* seq) {

@@ -41,12 +41,13 @@ struct ScheduledBatch {
   std::vector<int32_t> block_tables;    // [B, max_blocks] padded with -1
   int max_blocks = 0;
   std::vector<int32_t> state_slots;     // [B]
+  std::vector<int32_t> draft_lens;      // [B] draft tokens appended to each sequence's query
   std::vector<int64_t> preempted;       // sequences evicted to make room in this step
 };
 
 struct StepOutput {
   int64_t seq_id;
-  int32_t token;  // -1 when the row failed
+  std::vector<int32_t> tokens;  // appended this step (stops cut the rest); empty when the row failed
   bool finished;
   FinishReason reason;
   int32_t stop_token;
@@ -64,12 +65,19 @@ class Scheduler {
   ScheduledBatch schedule();
   // Applies one sampled token per scheduled sequence (-1 marks a failed row, finished with ERROR).
   std::vector<StepOutput> process(const ScheduledBatch& batch, const std::vector<int32_t>& tokens);
+  // Speculative decoding: per sequence the accepted drafts plus one target token ({-1}: failed).
+  // Rejected drafts are rolled back: their KV slots count as not computed and surplus blocks return.
+  std::vector<StepOutput> process_multi(const ScheduledBatch& batch,
+                                        const std::vector<std::vector<int32_t>>& tokens);
+  // Drafts to verify in the next decode step for a running sequence (replaces earlier ones).
+  void set_drafts(int64_t seq_id, const std::vector<int32_t>& drafts);
   // Ends a sequence from outside (stop string, abort, error); frees its blocks and slot.
   void finish(int64_t seq_id, FinishReason reason);
   // PROMPT: drops the scheduler's hold on a handed-off sequence once its KV has been exported.
   void release(int64_t seq_id);
 
   const Sequence& sequence(int64_t seq_id) const;
+  std::vector<int64_t> running_ids() const;
   bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
   int num_running() const { return static_cast<int>(running_.size()); }

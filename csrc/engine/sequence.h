@@ -33,6 +33,8 @@ struct Sequence {
   int64_t schedule_cnt = 0;
   int64_t process_cnt = 0;
   int num_preemptions = 0;
+  // Speculative tokens to verify in the next decode step (after the last real token).
+  std::vector<int32_t> draft_tokens;
 
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
   int num_output_tokens() const { return num_tokens() - num_prompt_tokens; }

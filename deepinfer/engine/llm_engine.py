@@ -19,6 +19,7 @@ from deepinfer.layers.sampler import SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec.speculator import SpecConfig, Speculator
 
 logger = logging.getLogger("deepinfer")
 
@@ -82,6 +83,7 @@ class LLMEngine:
         self.cache.log_memory_plan(config.max_model_len)
         self.scheduler = _C.Scheduler(self._scheduler_config())
         self.runner = ModelRunner(self.model, config.block_size, config.seed)
+        self.spec = Speculator(SpecConfig.from_dict(config.speculative), self) if config.speculative else None
         self.seqs: dict[int, SeqState] = {}
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Handoff] = []
@@ -125,6 +127,8 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"request {index}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if self.spec is not None and params.logprobs is not None:
+            raise ValueError(f"request {index}: logprobs are not returned with speculative decoding yet")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {index}: stop strings need a tokenizer and the model ships none")
 
@@ -147,6 +151,8 @@ class LLMEngine:
 
     def step(self) -> tuple[list[RequestOutput], int]:
         """Runs one step. Returns the requests that finished in it and the tokens it processed."""
+        if self.spec is not None:
+            self.spec.prepare(self)
         batch = self.scheduler.schedule()
         if batch.type == _C.StepType.IDLE:
             if self.scheduler.has_unfinished():
@@ -155,8 +161,15 @@ class LLMEngine:
         for seq_id in batch.preempted:
             self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
         states = [self.seqs[s] for s in batch.seq_ids]
-        out = self.runner.execute(batch, self._sampling_batch(states))
-        results = self.scheduler.process(batch, out.tokens.tolist())
+        sampling = self._sampling_batch(states)
+        if batch.type == _C.StepType.DECODE and self.spec is not None and batch.draft_lens.sum() > 0:
+            tokens = self.spec.verify(batch, self.runner.logits_all(batch), states, sampling,
+                                      self.runner.sampler.generator)
+            self._count_drafts(states, batch.draft_lens.tolist(), tokens)
+            out, results = None, self.scheduler.process_multi(batch, tokens)
+        else:
+            out = self.runner.execute(batch, sampling)
+            results = self.scheduler.process(batch, out.tokens.tolist())
         if self.eplb is not None:
             self.eplb.end_step()
         finished = set()
@@ -164,6 +177,12 @@ class LLMEngine:
             if self._apply(row, res, out, batch):
                 finished.add(self.seqs[res.seq_id].request_id)
         return [self._finish_request(r) for r in finished if self._request_done(r)], batch.num_tokens
+
+    def _count_drafts(self, states, draft_lens, tokens) -> None:
+        for state, verified, toks in zip(states, draft_lens, tokens):
+            metrics = self.requests[state.request_id].metrics
+            metrics.spec_verified_drafts += verified
+            metrics.spec_accepted_drafts += max(0, len(toks) - 1)
 
     def _sampling_batch(self, states: list[SeqState]) -> SamplingBatch:
         p = [s.params for s in states]
@@ -181,9 +200,9 @@ class LLMEngine:
         """Records one sequence's step result; returns whether the sequence finished."""
         state = self.seqs[res.seq_id]
         metrics = self.requests[state.request_id].metrics
-        if res.token >= 0:
-            state.token_ids.append(res.token)
-            metrics.num_generation_tokens += 1
+        if res.tokens:
+            state.token_ids.extend(res.tokens)
+            metrics.num_generation_tokens += len(res.tokens)
             if metrics.first_token_time is None:
                 metrics.first_token_time = time.monotonic()
             self._record_logprobs(state, row, out)
@@ -200,7 +219,7 @@ class LLMEngine:
         return state.finish_reason is not None
 
     def _record_logprobs(self, state: SeqState, row: int, out) -> None:
-        if out.token_logprob is None:
+        if out is None or out.token_logprob is None:
             return
         logprob = float(out.token_logprob[row])
         state.cumulative_logprob += logprob

@@ -37,5 +37,11 @@ class ModelRunner:
         return self.model.compute_logits(hidden[meta.last_token_indices])
 
     @torch.inference_mode()
+    def logits_all(self, batch) -> torch.Tensor:
+        """[T, V] fp32 logits at every query token (verification needs each draft's position)."""
+        input_ids, meta = self.prepare(batch)
+        return self.model.compute_logits(self.model(input_ids, meta))
+
+    @torch.inference_mode()
     def execute(self, batch, sampling: SamplingBatch) -> SamplerOutput:
         return self.sampler(self.logits(batch), sampling)

@@ -21,6 +21,11 @@ class SamplingBatch:
     generators: list
     num_logprobs: int
 
+    def row(self, i: int) -> "SamplingBatch":
+        """The parameters of row i alone."""
+        return SamplingBatch(self.temperature[i:i + 1], self.top_k[i:i + 1], self.top_p[i:i + 1],
+                             self.min_p[i:i + 1], [self.generators[i]], self.num_logprobs)
+
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters propose, MTPVarlen (C++) picks verify lengths, verify accepts."""

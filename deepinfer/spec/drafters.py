@@ -1,0 +1,86 @@
+"""Drafters behind one interface:
+
+    propose(histories: list[list[int]], keys: list) -> (tokens [R, k] int64, confidences [R, k] fp64)
+
+histories are each sequence's prompt + output tokens; keys identify the request (its prompt) for
+drafters that need it. Every drafter here proposes deterministically (a point mass), which is what
+verification assumes when it rejection-samples."""
+import torch
+
+
+def check_proposal(tokens: torch.Tensor, conf: torch.Tensor, rows: int, k: int, vocab: int) -> None:
+    """A drafter's output must have the agreed shape, valid ids and confidences in [0, 1]."""
+    if tuple(tokens.shape) != (rows, k) or tuple(conf.shape) != (rows, k):
+        raise ValueError(f"drafter returned tokens {tuple(tokens.shape)} / confidences {tuple(conf.shape)}, "
+                         f"expected ({rows}, {k})")
+    if not torch.isfinite(conf).all() or (conf < 0).any() or (conf > 1).any():
+        raise ValueError("drafter returned confidences that are non-finite or outside [0, 1]")
+    if rows and ((tokens < 0).any() or (tokens >= vocab).any()):
+        raise ValueError("drafter returned token ids outside the vocabulary")
+
+
+class NgramDrafter:
+    """Prompt lookup: finds the latest earlier occurrence of the history's last n tokens
+    (n = max_n down to min_n) and proposes the k tokens that followed it. Confidence per position
+    is the acceptance rate measured so far at that position (starts at `prior`)."""
+
+    def __init__(self, k: int, max_n: int = 3, min_n: int = 1, prior: float = 0.5):
+        self.k, self.max_n, self.min_n = k, max_n, min_n
+        self.accepted = torch.full((k,), prior)
+        self.offered = torch.ones(k)
+
+    def propose(self, histories, keys=None):
+        tokens = torch.zeros(len(histories), self.k, dtype=torch.int64)
+        found = torch.zeros(len(histories), dtype=torch.bool)
+        for row, hist in enumerate(histories):
+            match = self._lookup(hist)
+            if match:
+                tokens[row, :len(match)] = torch.tensor(match)
+                found[row] = True
+        rate = (self.accepted / self.offered).clamp(0, 1)
+        conf = torch.where(found[:, None], rate.expand(len(histories), self.k), torch.zeros(()))
+        return tokens, conf.double()
+
+    def _lookup(self, hist: list[int]) -> list[int]:
+        for n in range(min(self.max_n, len(hist) - 1), self.min_n - 1, -1):
+            suffix = hist[-n:]
+            for start in range(len(hist) - n - 1, -1, -1):
+                if hist[start:start + n] == suffix:
+                    follow = hist[start + n:start + n + self.k]
+                    return follow + [follow[-1]] * (self.k - len(follow))
+        return []
+
+    def observe(self, verified: list[int], accepted: list[int]) -> None:
+        """Per request: drafts verified and accepted this step; updates per-position rates."""
+        for v, a in zip(verified, accepted):
+            self.offered[:v] += 1
+            self.accepted[:min(a, v)] += 1
+
+
+class ReplayDrafter:
+    """For benchmarks: proposes a known reference continuation (keyed by prompt), each position
+    replaced by a random token with probability 1 - acceptance, so the per-position acceptance is
+    known and the confidences (= acceptance) are calibrated. acceptance 0 proposes random tokens."""
+
+    def __init__(self, k: int, references: dict, acceptance: float, vocab_size: int, seed: int = 0):
+        if not 0 <= acceptance <= 1:
+            raise ValueError(f"speculative acceptance must be in [0, 1], got {acceptance!r}")
+        self.k, self.references, self.acceptance, self.vocab = k, references, acceptance, vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, histories, keys):
+        tokens = torch.randint(0, self.vocab, (len(histories), self.k), generator=self.generator)
+        keep = torch.rand(len(histories), self.k, generator=self.generator) < self.acceptance
+        conf = torch.full((len(histories), self.k), float(self.acceptance), dtype=torch.float64)
+        for row, (hist, key) in enumerate(zip(histories, keys)):
+            ref = self.references.get(key)
+            if ref is None:
+                conf[row] = 0.0
+                continue
+            done = len(hist) - len(key)
+            follow = torch.tensor((list(ref[done:done + self.k]) + [0] * self.k)[:self.k])
+            tokens[row] = torch.where(keep[row], follow, tokens[row])
+        return tokens, conf
+
+    def observe(self, verified, accepted) -> None:
+        """Confidences are given, not learned."""

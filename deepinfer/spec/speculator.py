@@ -1,0 +1,137 @@
+"""Speculative decoding in the engine: before each step every running sequence gets drafts, the
+C++ MTPVarlen greedy picks how many of each to verify on this machine's measured step-time curve,
+and after the forward verify.py decides what is accepted (the scheduler rolls back the rest)."""
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer import _C
+from deepinfer.layers.attention_metadata import AttentionMetadata
+from deepinfer.spec.drafters import NgramDrafter, ReplayDrafter, check_proposal
+from deepinfer.spec.verify import verify_sequence
+
+logger = logging.getLogger("deepinfer")
+
+
+@dataclass
+class SpecConfig:
+    """LLM(speculative={...}): method "ngram" | "replay" | "mtp"; num_draft_tokens k in 1..16;
+    verify "greedy" (MTPVarlen) or "all" (every draft); replay: acceptance, references
+    {prompt token tuple: continuation}."""
+
+    method: str
+    num_draft_tokens: int
+    verify: str = "greedy"
+    acceptance: float = 0.75
+    references: dict | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"LLM(speculative=...) has unknown keys {sorted(unknown)}")
+        cfg = cls(**d)
+        if cfg.method not in ("ngram", "replay", "mtp"):
+            raise ValueError(f"LLM(speculative={{'method': {cfg.method!r}}}) must be mtp, ngram or replay")
+        if not isinstance(cfg.num_draft_tokens, int) or not 1 <= cfg.num_draft_tokens <= 16:
+            raise ValueError(f"LLM(speculative={{'num_draft_tokens': {cfg.num_draft_tokens!r}}}) must be in 1..16")
+        if cfg.verify not in ("greedy", "all"):
+            raise ValueError(f"LLM(speculative={{'verify': {cfg.verify!r}}}) must be 'greedy' or 'all'")
+        return cfg
+
+
+class Speculator:
+    def __init__(self, cfg: SpecConfig, engine):
+        self.cfg, self.k = cfg, cfg.num_draft_tokens
+        self.drafter = self._make_drafter(cfg, engine)
+        self.varlen = _C.MTPVarlen(step_time_curve(engine, self.k))
+        self.schedule_seconds = 0.0
+
+    @staticmethod
+    def _make_drafter(cfg: SpecConfig, engine):
+        if cfg.method == "ngram":
+            return NgramDrafter(cfg.num_draft_tokens)
+        if cfg.method == "replay":
+            refs = {tuple(k): list(v) for k, v in (cfg.references or {}).items()}
+            return ReplayDrafter(cfg.num_draft_tokens, refs, cfg.acceptance, engine.vocab_size, cfg.seed)
+        mtp = getattr(engine.model, "mtp_drafter", None)
+        if mtp is None:
+            raise ValueError("LLM(speculative={'method': 'mtp'}): this checkpoint has no MTP layers "
+                             "the engine can draft with")
+        return mtp(cfg.num_draft_tokens)
+
+    def prepare(self, engine) -> None:
+        """Proposes drafts for every running sequence and hands the verified prefix to the scheduler."""
+        ids = list(engine.scheduler.running_ids())
+        if not ids:
+            return
+        seqs = [engine.scheduler.sequence(i) for i in ids]
+        histories = [list(s.token_ids) for s in seqs]
+        keys = [tuple(s.token_ids[:s.num_prompt_tokens]) for s in seqs]
+        tokens, conf = self.drafter.propose(histories, keys)
+        check_proposal(tokens, conf, len(ids), self.k, engine.vocab_size)
+        start = time.perf_counter()
+        lens = self.varlen.schedule(conf.tolist()) if self.cfg.verify == "greedy" else [self.k] * len(ids)
+        self.schedule_seconds += time.perf_counter() - start
+        for seq_id, row, n in zip(ids, tokens.tolist(), lens):
+            engine.scheduler.set_drafts(seq_id, row[:n])
+
+    def verify(self, batch, logits: torch.Tensor, states, sampling, engine_generator) -> list[list[int]]:
+        """logits [sum(1 + l_r), V] -> per sequence accepted drafts + one target token."""
+        qsl = batch.query_start_loc.tolist()
+        out, verified, accepted = [], [], []
+        for i, state in enumerate(states):
+            lo, hi = qsl[i], qsl[i + 1]
+            drafts = batch.input_ids[lo + 1:hi].tolist()
+            row = sampling.row(i)
+            toks = verify_sequence(logits[lo:hi], drafts, row, state.generator, engine_generator)
+            out.append(toks)
+            verified.append(len(drafts))
+            accepted.append(max(0, len(toks) - 1))
+        self.drafter.observe(verified, accepted)
+        return out
+
+
+def step_time_curve(engine, k: int) -> "_C.StepTimeCurve":
+    """ms per decode step against query tokens, measured on this engine (cached on disk by model,
+    dtype, threads and shape); the C++ side forces it monotone."""
+    cfg = engine.config
+    points = [q for q in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if q <= cfg.max_num_seqs * (k + 1)]
+    key = json.dumps([os.path.abspath(cfg.model), str(cfg.dtype), cfg.num_threads, points])
+    path = os.path.join(os.path.expanduser("~/.cache/deepinfer/step_curves"),
+                        hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            ms = json.load(f)
+    else:
+        ms = [_time_forward(engine, q) for q in points]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(ms, f)
+    logger.info("step-time curve (query tokens: ms): %s", dict(zip(points, [round(m, 2) for m in ms])))
+    return _C.StepTimeCurve([float(p) for p in points], ms)
+
+
+@torch.inference_mode()
+def _time_forward(engine, tokens: int, repeats: int = 3) -> float:
+    """Best of `repeats` forwards of `tokens` one-token sequences writing to block 0 (the engine
+    profiles before any request owns a block)."""
+    meta = AttentionMetadata(
+        is_prefill=False, positions=torch.zeros(tokens, dtype=torch.int64),
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64), query_start_loc=torch.arange(tokens + 1),
+        context_lens=torch.ones(tokens, dtype=torch.int64), block_tables=torch.zeros(tokens, 1, dtype=torch.int64),
+        state_slots=torch.zeros(tokens, dtype=torch.int64), block_size=engine.config.block_size,
+        max_query_len=1, max_context_len=1)
+    ids = torch.ones(tokens, dtype=torch.int64)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.model.compute_logits(engine.model(ids, meta))
+        best = min(best, time.perf_counter() - start)
+    return 1000 * best

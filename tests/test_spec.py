@@ -1,0 +1,165 @@
+"""Speculative decoding: the MTPVarlen greedy by hand, lossless outputs with every drafter, the
+sampled distribution under rejection sampling, and bad configurations."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer import LLM, SamplingParams, _C
+from deepinfer.spec.drafters import NgramDrafter, check_proposal
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36]]
+
+
+def varlen(tokens, ms):
+    return _C.MTPVarlen(_C.StepTimeCurve(tokens, ms))
+
+
+def test_greedy_hand_computed():
+    v = varlen([1, 2, 3], [10, 10, 20])
+    # tau/time: 1/10 -> (1 + .9)/10 = .19 (admit) -> (1.9 + .45)/20 = .1175 (drop: stop)
+    assert v.schedule([[0.9, 0.5]]) == [1]
+    assert v.budget([[0.9, 0.5]]) == 1
+
+
+def test_flat_curve_admits_every_positive_draft_and_no_zero_one():
+    v = varlen([1, 1000], [5, 5])
+    assert v.schedule([[1.0, 1.0, 1.0], [0.5, 0.2, 0.0], [0.0, 0.9, 0.9]]) == [3, 2, 0]
+
+
+def test_ties_go_to_the_lower_request_and_one_request_works():
+    v = varlen([2, 3, 4], [10, 10, 100])
+    assert v.schedule([[0.5], [0.5]]) == [1, 0]
+    assert varlen([1, 2], [1, 1]).schedule([[0.3, 0.3]]) == [2]
+
+
+def test_stale_budget_fresh_distribution():
+    v = varlen([1, 4, 8], [10, 10, 40])
+    budget = v.budget([[0.9, 0.9], [0.9, 0.9]])
+    assert budget == 2
+    assert _C.MTPVarlen.distribute(budget, [[0.1, 0.1], [0.95, 0.95]]) == [0, 2]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(conf=st.lists(st.lists(st.floats(0, 1), min_size=1, max_size=5), min_size=1, max_size=8).filter(
+    lambda c: len({len(r) for r in c}) == 1),
+       slope=st.floats(0.0, 2.0))
+def test_greedy_is_prefix_and_stops_at_first_drop(conf, slope):
+    tokens = [1.0, 2.0, 64.0]
+    ms = [10.0, 10.0 + slope, 10.0 + 63 * slope]
+    v = varlen(tokens, ms)
+    lens = v.schedule(conf)
+    curve = _C.StepTimeCurve(tokens, ms)
+    cands = sorted(((torch.tensor(r[:j + 1]).double().prod().item(), i, j)
+                    for i, r in enumerate(conf) for j in range(len(r))), key=lambda t: (-t[0], t[1], t[2]))
+    tau, best, n = float(len(conf)), len(conf) / curve.ms(len(conf)), 0
+    for a, _, _ in cands:
+        nxt = (tau + a) / curve.ms(len(conf) + n + 1)
+        if nxt <= best:
+            break
+        tau, best, n = tau + a, nxt, n + 1
+    assert sum(lens) == n
+    expected = [0] * len(conf)
+    for _, i, _ in cands[:n]:
+        expected[i] += 1
+    assert lens == expected
+
+
+@pytest.fixture(scope="module")
+def references(tiny_qwen3_moe):
+    llm = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, block_size=4)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, outs)}
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_draft_tokens": 3},
+    {"method": "replay", "num_draft_tokens": 5, "acceptance": 0.75},
+    {"method": "replay", "num_draft_tokens": 4, "acceptance": 0.0, "verify": "all"},   # random tokens
+    {"method": "replay", "num_draft_tokens": 3, "acceptance": 1.0, "verify": "all"},
+])
+def test_greedy_speculation_is_lossless(tiny_qwen3_moe, references, spec):
+    spec = dict(spec, references=references) if spec["method"] == "replay" else spec
+    llm = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, block_size=4, speculative=spec)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [references[tuple(p)] for p in PROMPTS]
+    verified = sum(o.metrics.spec_verified_drafts for o in outs)
+    accepted = sum(o.metrics.spec_accepted_drafts for o in outs)
+    assert 0 <= accepted <= verified
+    if spec.get("acceptance") == 1.0:
+        assert accepted == verified > 0
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.cache.num_blocks
+
+
+def test_lossless_on_llama_with_preemption(tiny_llama):
+    ps = PROMPTS * 2
+    ref = LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20, block_size=4).generate(ps, GREEDY, use_tqdm=False)
+    # 14 blocks of 4 tokens (2 layers x K,V x 2 heads x 16 dims x fp32 = 2048 bytes a block)
+    small = LLM(tiny_llama, dtype="float32", kv_cache_memory=14 * 2048, block_size=4,
+                max_num_seqs=4, max_model_len=56, speculative={"method": "ngram", "num_draft_tokens": 4, "verify": "all"})
+    outs = small.generate(ps, GREEDY, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_rejection_sampling_keeps_the_target_distribution(tiny_qwen3_moe):
+    """Empirical distribution of the 2nd sampled token, with and without speculation, against the
+    exact target marginal computed from transformers (total variation)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 6, 7]
+    params = SamplingParams(temperature=1.5, top_k=6, max_tokens=2, ignore_eos=True, n=1500, seed=11)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, dtype=torch.float32)
+    with torch.no_grad():
+        p1 = _filtered(model(torch.tensor([prompt])).logits[0, -1], 1.5, 6)
+        firsts = p1.nonzero()[:, 0]
+        nxt = model(torch.cat([torch.tensor([prompt]).repeat(len(firsts), 1), firsts[:, None]], 1)).logits[:, -1]
+        exact = (p1[firsts, None] * torch.stack([_filtered(r, 1.5, 6) for r in nxt])).sum(0)
+    # a drafter proposing the most likely token half the time exercises accepts and rejects
+    greedy = {tuple(prompt): [int(p1.argmax()), int(exact.argmax())]}
+    for spec in (None, {"method": "replay", "num_draft_tokens": 1, "acceptance": 0.5, "references": greedy,
+                        "verify": "all"}):
+        llm = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=256, speculative=spec)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        second = torch.bincount(torch.tensor([c.token_ids[1] for c in out.outputs]), minlength=exact.numel())
+        tv = 0.5 * (second.double() / second.sum() - exact.double()).abs().sum()
+        assert tv < 0.08, f"speculative={spec is not None}: total variation {tv:.3f}"
+        if spec:
+            assert 0 < out.metrics.spec_accepted_drafts < out.metrics.spec_verified_drafts
+
+
+def _filtered(logits, temperature, top_k):
+    scaled = logits / temperature
+    kth = scaled.topk(top_k).values[-1]
+    return scaled.masked_fill(scaled < kth, float("-inf")).softmax(-1)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "ngram", "num_draft_tokens": 0}, "num_draft_tokens"),
+    ({"method": "ngram", "num_draft_tokens": 17}, "num_draft_tokens"),
+    ({"method": "mtp", "num_draft_tokens": 2}, "MTP"),
+    ({"method": "eagle", "num_draft_tokens": 2}, "method"),
+    ({"method": "ngram", "num_draft_tokens": 2, "verify": "some"}, "verify"),
+    ({"method": "ngram", "num_draft_tokens": 2, "bogus": 1}, "unknown keys"),
+])
+def test_bad_speculative_config(tiny_llama, spec, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20, speculative=spec)
+
+
+def test_bad_drafter_output_is_refused():
+    with pytest.raises(ValueError, match="expected"):
+        check_proposal(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2), 2, 3, 100)
+    with pytest.raises(ValueError, match="non-finite"):
+        check_proposal(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[0.5, float("nan")]]), 1, 2, 100)
+    with pytest.raises(ValueError, match="vocabulary"):
+        check_proposal(torch.tensor([[5, 100]]), torch.zeros(1, 2), 1, 2, 100)
+
+
+def test_ngram_lookup_finds_the_latest_match():
+    d = NgramDrafter(k=3)
+    tokens, conf = d.propose([[1, 2, 3, 9, 1, 2, 3, 4, 1, 2]], None)
+    assert tokens.tolist() == [[3, 4, 1]] and (conf > 0).all()
+    tokens, conf = d.propose([[7, 8, 9]], None)
+    assert (conf == 0).all()
