@@ -1,0 +1,158 @@
+"""One sweep point: one engine, one configuration, one batch size; writes a JSON file.
+
+    python -m examples.sweep.benchmark --engine deepinfer --model medium_qwen3_moe --batch 16 \
+        --context 64 --warmup 3 --steps 60 --roofline out/roofline.json --out out/x.json \
+        [--name deepinfer-bf16] [--options '{"dtype": "bfloat16"}'] [--dp 1] [--prefill-tokens 256 1024]
+
+Decode: `batch` sequences prefilled at `context` tokens, then `warmup` decode steps untimed and
+`steps` timed (DeepInfer uses 50 and 60). decode_avg_sps = timed steps / their total time.
+Every rate derived from it uses tokens per step as measured from the outputs
+(`accepted_tokens_per_step`, null unless `speculative` is among the options; without drafting each
+step commits exactly one token per sequence); an assumed acceptance length never enters the JSON.
+Exit status: 0 written, 2 bad point (message on stderr), 3 peer not set up.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+from examples.sweep import metrics, model_cost
+from examples.sweep.deepinfer_point import PointError
+from examples.sweep.roofline import machine, rates_for
+
+ENGINE_OPTIONS = {
+    "deepinfer": {"dtype", "kv_cache_dtype", "block_size", "num_threads", "kv_cache_memory",
+                  "max_num_batched_tokens", "seed", "speculative", "enable_eplb", "dp_config"},
+    "transformers": {"dtype", "num_threads", "experts_implementation"},
+    "vllm": {"dtype", "num_threads"},
+    "llamacpp": {"outtype", "num_threads"},
+}
+MAKERS = {"medium_qwen3_moe": "examples.make_medium_qwen3_moe", "medium_v4": "examples.make_medium_v4"}
+
+
+class PeerMissing(Exception):
+    """A peer whose setup (examples/peers/setup_peers.sh) has not been run here."""
+
+
+def resolve_model(name: str) -> str:
+    """A maker name (checkpoint written on first use) or a model directory."""
+    if name in MAKERS:
+        import importlib
+        try:
+            return importlib.import_module(MAKERS[name]).make()
+        except ImportError as exc:
+            raise PointError(f"model {name!r}: its maker {MAKERS[name]} cannot run here ({exc})") from exc
+    if not os.path.exists(os.path.join(name, "config.json")):
+        raise PointError(f"model {name!r} is neither a known maker {sorted(MAKERS)} nor a directory with config.json")
+    return name
+
+
+def check_options(engine: str, opts: dict) -> None:
+    if engine not in ENGINE_OPTIONS:
+        raise PointError(f"unknown engine {engine!r}; known: {sorted(ENGINE_OPTIONS)}")
+    unknown = sorted(set(opts) - ENGINE_OPTIONS[engine])
+    if unknown:
+        raise PointError(f"unknown configuration key(s) {unknown} for engine {engine}; "
+                         f"known: {sorted(ENGINE_OPTIONS[engine])}")
+
+
+def run_engine(p, opts: dict) -> dict:
+    if p.engine == "deepinfer":
+        from examples.sweep.deepinfer_point import measure
+    elif p.engine == "transformers":
+        from examples.peers.hf_peer import measure
+    elif p.engine == "vllm":
+        from examples.peers.vllm_peer import measure
+    else:
+        from examples.peers.llamacpp_peer import measure
+    return measure(p, opts)
+
+
+def floor_entry(p, opts: dict, roofline: dict | None) -> dict | None:
+    """The decode step's floor at this point, or None with the reason printed."""
+    why = None
+    s = model_cost.shape(model_cost.load_config(p.model_dir))
+    if roofline is None:
+        why = "no roofline file"
+    elif s is None:
+        why = "architecture not modelled in model_cost.py"
+    elif p.dp > 1 or "speculative" in opts:
+        why = "floor modelled for one rank without drafts only"
+    if why:
+        print(f"benchmark: no floor for this point ({why})", file=sys.stderr)
+        return None
+    wbytes = 4 if opts.get("dtype", "bfloat16") in ("float32", "fp32") else 2
+    kv = 0.5625 if opts.get("kv_cache_dtype") == "fp4" else wbytes  # fp4 values + one 8-bit scale per 16
+    cost = model_cost.decode_step_cost(s, p.batch, p.context + p.warmup + p.steps / 2, wbytes, kv)
+    rates = rates_for(roofline, opts.get("num_threads", 1))
+    floor = metrics.floor_ms(cost["bytes"], cost["flops"], rates["bandwidth"], rates["matmul"])
+    return {**cost, **floor, "bandwidth": rates["bandwidth"], "matmul_rate": rates["matmul"], "threads": rates["threads"]}
+
+
+def assemble(p, opts: dict, result: dict, floor: dict | None, seconds: float) -> dict:
+    """The point's JSON: the inputs, the measurement and every derived rate."""
+    spec = opts.get("speculative")
+    tokens = result["measured_tokens_per_step"]
+    sps = result["decode_avg_sps"]
+    out = {"engine": p.engine, "name": p.name, "model": p.model, "options": opts, "dp": p.dp,
+           "decode_num_requests": p.batch, "context_len": p.context, "decode_warmup_steps": p.warmup,
+           "decode_steps": p.steps, **result,
+           "nextn": spec.get("num_draft_tokens") if isinstance(spec, dict) else None,
+           "accepted_tokens_per_step": tokens if spec else None,
+           "tokens_per_s_per_user": metrics.per_user_tps(sps, tokens),
+           "tokens_per_s_per_rank": metrics.per_rank_tps(sps, p.batch, p.dp, tokens),
+           "floor": floor, "machine": machine(), "seconds": seconds,
+           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out["time_over_floor"] = metrics.time_over_floor(result["decode_step_ms"], floor["ms"]) if floor else None
+    return out
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", default="deepinfer")
+    ap.add_argument("--name")
+    ap.add_argument("--model", default="medium_qwen3_moe")
+    ap.add_argument("--options", default="{}", help="JSON object of configuration keys")
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[])
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--roofline")
+    ap.add_argument("--out", required=True)
+    p = ap.parse_args(argv)
+    p.name = p.name or p.engine
+    return p
+
+
+def main(argv=None) -> int:
+    p = parse(argv)
+    try:
+        opts = json.loads(p.options)
+        check_options(p.engine, opts)
+        if p.batch < 1 or p.steps < 1 or p.warmup < 0 or p.dp < 1:
+            raise PointError("need batch >= 1, steps >= 1, warmup >= 0, dp >= 1")
+        p.model_dir = resolve_model(p.model)
+        roofline = json.load(open(p.roofline)) if p.roofline and os.path.exists(p.roofline) else None
+        t = time.perf_counter()
+        result = run_engine(p, opts)
+        doc = assemble(p, opts, result, floor_entry(p, opts, roofline), time.perf_counter() - t)
+    except PeerMissing as exc:
+        print(f"peer {exc} not set up (run examples/peers/setup_peers.sh)", file=sys.stderr)
+        return 3
+    except (PointError, ValueError) as exc:
+        print(f"benchmark: point {p.name} batch {p.batch}: {exc}", file=sys.stderr)
+        return 2
+    os.makedirs(os.path.dirname(os.path.abspath(p.out)), exist_ok=True)
+    with open(p.out + ".tmp", "w") as f:  # rename: a killed run never leaves a JSON the sweep would skip
+        json.dump(doc, f, indent=1)
+    os.replace(p.out + ".tmp", p.out)
+    print(f"{p.name} batch {p.batch}: {doc['decode_step_ms']:.1f} ms/step, {doc['tokens_per_s_per_user']:.2f} tok/s/user, "
+          f"{doc['tokens_per_s_per_rank']:.1f} tok/s/rank" + (f", {doc['time_over_floor']:.2f}x floor" if doc["time_over_floor"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""This machine's floor rates: read bandwidth and matmul rate, at 1 and 2 threads.
+
+    python -m examples.sweep.roofline [--out roofline.json] [--threads 1 2]
+
+Bandwidth: best of several full reads of a 512 MiB fp32 array (far past any cache). Matmul: best
+of several [512 x 2048] @ [2048 x 2048] fp32 products. fp32 is the compute ceiling for bf16 models
+too: the engine's kernels widen bf16 to fp32 and accumulate in fp32, and torch's own bf16 GEMM on
+this AVX2 machine measured 0.2 GFLOP/s (no bf16 instructions), so it is not a useful ceiling.
+Best-of, not mean: other jobs on the shared machine only ever slow a run down."""
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a streaming read (sum of a large array)."""
+    a = torch.ones(mib << 18)  # mib MiB of fp32
+    return a.numel() * 4 / _best(a.sum, repeats)
+
+
+def matmul_rate(dtype: torch.dtype, m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> float:
+    x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    return 2 * m * k * n / _best(lambda: x @ w, repeats)
+
+
+def measure(threads: int) -> dict:
+    """All rates at one thread count (restores torch's previous setting)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {"threads": threads, "bandwidth": bandwidth(), "matmul": matmul_rate(torch.float32)}
+    finally:
+        torch.set_num_threads(old)
+
+
+def machine() -> dict:
+    with open("/proc/cpuinfo") as f:
+        name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
+    return {"cpu": name, "cores": os.cpu_count(), "isa": torch.backends.cpu.get_cpu_capability(),
+            "load_avg": os.getloadavg()[0]}
+
+
+def rates_for(roofline: dict, threads: int) -> dict:
+    """The measured entry for a thread count (the nearest measured one below it otherwise)."""
+    entries = sorted(roofline["rates"], key=lambda r: r["threads"])
+    fit = [r for r in entries if r["threads"] <= threads] or entries[:1]
+    return fit[-1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = ap.parse_args()
+    result = {"machine": machine(), "rates": [measure(t) for t in args.threads]}
+    for r in result["rates"]:
+        print(f"threads {r['threads']}: read {r['bandwidth'] / 1e9:.1f} GB/s, fp32 matmul "
+              f"{r['matmul'] / 1e9:.1f} GFLOP/s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
