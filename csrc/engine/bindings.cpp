@@ -17,6 +17,17 @@ static py::array_t<T> to_numpy(const std::vector<T>& v) {
 
 void bind_cpu_kernels(py::module_& m);
 
+// [R, k] confidences (numpy or nested lists) -> rows; copying in C++ is far cheaper than pybind11's
+// per-element conversion of nested lists.
+static std::vector<std::vector<double>> rows_of(const py::array_t<double>& conf) {
+  if (conf.ndim() != 2) throw std::invalid_argument("confidences must be a 2-D [requests, drafts] array");
+  auto a = conf.unchecked<2>();
+  std::vector<std::vector<double>> rows(a.shape(0), std::vector<double>(a.shape(1)));
+  for (py::ssize_t r = 0; r < a.shape(0); ++r)
+    for (py::ssize_t j = 0; j < a.shape(1); ++j) rows[r][j] = a(r, j);
+  return rows;
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "deepinfer C++ core: sequences, block manager, scheduler, input prep, output processing";
 
@@ -151,9 +162,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("times", &StepTimeCurve::times);
   py::class_<MTPVarlen>(m, "MTPVarlen")
       .def(py::init<StepTimeCurve>(), py::arg("curve"))
-      .def("schedule", &MTPVarlen::schedule, py::arg("confidences"), py::call_guard<py::gil_scoped_release>())
-      .def("budget", &MTPVarlen::budget, py::arg("confidences"), py::call_guard<py::gil_scoped_release>())
-      .def_static("distribute", &MTPVarlen::distribute, py::arg("budget"), py::arg("confidences"))
+      .def("schedule", [](const MTPVarlen& v, const py::array_t<double>& c) { return v.schedule(rows_of(c)); },
+           py::arg("confidences"))
+      .def("budget", [](const MTPVarlen& v, const py::array_t<double>& c) { return v.budget(rows_of(c)); },
+           py::arg("confidences"))
+      .def_static("distribute", [](int budget, const py::array_t<double>& c) {
+        return MTPVarlen::distribute(budget, rows_of(c));
+      }, py::arg("budget"), py::arg("confidences"))
       .def_property_readonly("curve", &MTPVarlen::curve);
 
   bind_cpu_kernels(m);

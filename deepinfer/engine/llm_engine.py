@@ -88,6 +88,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Handoff] = []
         self._seq_counter = itertools.count()
+        self.num_steps = {"prefill": 0, "decode": 0}
 
     def _make_eplb(self) -> EplbState | None:
         blocks = [m for m in self.model.modules() if isinstance(m, RoutedMoE)]
@@ -160,6 +161,7 @@ class LLMEngine:
             return [], 0
         for seq_id in batch.preempted:
             self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
+        self.num_steps["prefill" if batch.type == _C.StepType.PREFILL else "decode"] += 1
         states = [self.seqs[s] for s in batch.seq_ids]
         sampling = self._sampling_batch(states)
         if batch.type == _C.StepType.DECODE and self.spec is not None and batch.draft_lens.sum() > 0:

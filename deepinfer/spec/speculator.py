@@ -77,7 +77,7 @@ class Speculator:
         tokens, conf = self.drafter.propose(histories, keys)
         check_proposal(tokens, conf, len(ids), self.k, engine.vocab_size)
         start = time.perf_counter()
-        lens = self.varlen.schedule(conf.tolist()) if self.cfg.verify == "greedy" else [self.k] * len(ids)
+        lens = self.varlen.schedule(conf.numpy()) if self.cfg.verify == "greedy" else [self.k] * len(ids)
         self.schedule_seconds += time.perf_counter() - start
         for seq_id, row, n in zip(ids, tokens.tolist(), lens):
             engine.scheduler.set_drafts(seq_id, row[:n])
