@@ -1,0 +1,47 @@
+"""The DP group's torch.distributed state: one group whose ranks are the DP ranks.
+
+MoE all-to-alls run on the device backend (NCCL when the experts live on a GPU, gloo on CPU); the
+per-step vote is a tiny CPU all-reduce and always uses gloo. Everything binds to 127.0.0.1."""
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the master binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DPGroup:
+    """rank, world_size; ep_group for MoE all-to-all, vote_group for the step vote."""
+
+    def __init__(self, rank: int, world_size: int, port: int, device: str = "cpu", timeout_s: float = 120.0):
+        # gloo picks its interface from the hostname unless told: keep every socket on loopback.
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.ep_group = dist.group.WORLD
+        self.vote_group = dist.new_group(backend="gloo") if device.startswith("cuda") else dist.group.WORLD
+
+    def vote(self, has_prefill: bool, has_decode: bool) -> tuple[int, int]:
+        """All-reduces this rank's work -> (ranks with prefill work, ranks with decode work)."""
+        t = torch.tensor([int(has_prefill), int(has_decode)], dtype=torch.int64)
+        dist.all_reduce(t, group=self.vote_group)
+        return int(t[0]), int(t[1])
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks of a CPU tensor (expert load for EPLB)."""
+        dist.all_reduce(t, group=self.vote_group)
+        return t
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

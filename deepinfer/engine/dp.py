@@ -1,0 +1,491 @@
+"""Data-parallel attention, expert-parallel MoE: k engine ranks (Ray actors), one step type per step.
+
+Each rank (`DPRankWorker`) is a full LLMEngine with its own C++ scheduler, requests, KV pools and
+attention weights, but only the routed experts of its physical slots (`placement.local_slots(rank)`);
+MoE layers dispatch and combine tokens across ranks (distributed/ep_moe.py). Every step the ranks
+all-reduce what work they have and `StepVote` picks one step type for all of them; a rank with nothing
+of that type runs a dummy step (its MoE layers join every all-to-all with zero tokens of their own),
+and a drained rank keeps doing so until the whole group is done.
+
+The front (`DPEngine`, in the caller's process) has LLMEngine's surface (add_request / step /
+has_unfinished / validate_request / abort_all): it assigns requests to ranks with `DecodeBalancer`,
+starts one session per batch of requests (a Ray call per rank) and gathers finished requests over zmq.
+
+Forcing a step type: `_C.Scheduler.schedule()` always prefers prefill when a waiting sequence fits,
+so a rank cannot be told "decode now" while it holds admissible waiting sequences. The rank therefore
+keeps new requests in a Python queue and hands them to the C++ scheduler only on a PREFILL step, and
+only as many as the scheduler will admit in that step (the same limits it checks: max_num_seqs, state
+slots, free blocks, max_num_batched_tokens). Sequences preempted in a decode step re-enter the C++
+waiting queue and may be recomputed in a later DECODE-voted step; that is counted as `mismatched`
+(the collectives still line up: every forward runs every MoE layer once). If the scheduler grows
+`schedule(StepType)`, `_ObservedScheduler` passes the voted type through and the gating becomes exact.
+"""
+import dataclasses
+import logging
+import os
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer import _C
+from deepinfer.config import EngineConfig, hf_get
+from deepinfer.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("deepinfer")
+
+PREFILL, DECODE = _C.StepType.PREFILL, _C.StepType.DECODE
+
+
+@dataclass
+class DPConfig:
+    """LLM(dp_config=...) keys. Intervals count decode steps since the group's last prefill."""
+
+    prefill_attempt_interval: int = 4       # ask "do ALL ranks have prefill work?" every N decode steps
+    prefill_any_attempt_interval: int = 16  # ask "does ANY rank?" every N: a lone prompt waits <= N steps
+    num_cpus_per_rank: float = 0.5         # Ray resources; fractional so two ranks fit on two cores
+    num_gpus_per_rank: float = 0.0
+    collective_timeout_s: float = 60.0     # a collective stuck this long (peer gone) raises
+    start_timeout_s: float = 300.0         # rank start: Ray worker, imports, model load
+    poll_ms: int = 50                      # front: how long one step() waits for outputs
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "DPConfig":
+        d = dict(d or {})
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"LLM(dp_config=...) has unknown keys {sorted(unknown)}")
+        cfg = cls(**d)
+        for name in ("prefill_attempt_interval", "prefill_any_attempt_interval", "poll_ms"):
+            value = getattr(cfg, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LLM(dp_config={{{name!r}: {value!r}}}) must be a positive integer")
+        return cfg
+
+
+# ----------------------------------------------------------------------------------------------------
+# policy: the vote and the balancer (pure Python, no Ray)
+
+
+class StepVote:
+    """The group's step-type policy. Every rank runs it on the same all-reduced counts, so all agree.
+
+    Decode is the default (it keeps every running sequence moving). Prefill runs when
+      - no rank has decode work and some rank has prefill work;
+      - on every `all_interval`-th decode step since the last prefill, if ALL ranks have prefill work;
+      - on every `any_interval`-th one, if ANY rank has.
+    A prompt that fits therefore waits at most `any_interval` decode steps."""
+
+    def __init__(self, all_interval: int = 4, any_interval: int = 16):
+        self.all_interval, self.any_interval = all_interval, any_interval
+        self.decode_steps = 0  # decode steps since the last prefill
+
+    def decide(self, num_prefill: int, num_decode: int, world_size: int):
+        """Counts of ranks with prefill / decode work -> PREFILL, DECODE, or None (group done)."""
+        if num_prefill == 0 and num_decode == 0:
+            return None
+        c = self.decode_steps
+        ask_all = c > 0 and c % self.all_interval == 0 and num_prefill == world_size
+        ask_any = c > 0 and c % self.any_interval == 0 and num_prefill > 0
+        if num_prefill > 0 and (num_decode == 0 or ask_all or ask_any):
+            self.decode_steps = 0
+            return PREFILL
+        self.decode_steps += 1
+        return DECODE
+
+
+class DecodeBalancer:
+    """Assigns requests to ranks evening out both the number of requests and their total KV length
+    (prompt + max_tokens, what a request holds at its end), counting what each rank still runs."""
+
+    def __init__(self, world_size: int):
+        self.count = [0] * world_size
+        self.kv = [0] * world_size
+
+    def assign(self, kv_lens: list[int]) -> list[int]:
+        """kv_lens [N] -> rank of each. Longest first (LPT), each to the rank whose load after taking
+        it is smallest, load = kv share + request-count share of the batch's totals."""
+        ranks = [0] * len(kv_lens)
+        total_kv = max(1, sum(self.kv) + sum(kv_lens))
+        total_n = max(1, sum(self.count) + len(kv_lens))
+        for i in sorted(range(len(kv_lens)), key=lambda i: -kv_lens[i]):
+            score = [(self.kv[r] + kv_lens[i]) / total_kv + (self.count[r] + 1) / total_n
+                     for r in range(len(self.kv))]
+            ranks[i] = min(range(len(score)), key=score.__getitem__)
+            self.add(ranks[i], kv_lens[i])
+        return ranks
+
+    def add(self, rank: int, kv_len: int) -> None:
+        self.count[rank] += 1
+        self.kv[rank] += kv_len
+
+    def release(self, rank: int, kv_len: int) -> None:
+        self.count[rank] -= 1
+        self.kv[rank] -= kv_len
+
+
+# ----------------------------------------------------------------------------------------------------
+# rank
+
+
+class _ObservedScheduler:
+    """Wraps the C++ scheduler for LLMEngine: records the type of each scheduled batch and passes the
+    voted type to schedule() when the extension supports schedule(StepType)."""
+
+    def __init__(self, sched):
+        self._sched = sched
+        self._typed = "StepType" in (type(sched).schedule.__doc__ or "")
+        self.want, self.last_type = None, None
+
+    def schedule(self):
+        batch = self._sched.schedule(self.want) if self._typed and self.want is not None else self._sched.schedule()
+        self.last_type = batch.type
+        return batch
+
+    def __getattr__(self, name):
+        return getattr(self._sched, name)
+
+
+@dataclass
+class RankStats:
+    """Per session. Times in seconds; forward excludes the time inside all-to-alls."""
+
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    dummy_steps: int = 0
+    mismatched: int = 0
+    tokens: int = 0
+    vote_s: float = 0.0
+    forward_s: float = 0.0
+    a2a_s: float = 0.0
+    a2a_bytes: int = 0
+    wall_s: float = 0.0
+
+
+class DPRankWorker:
+    """One DP rank (the body of a Ray actor). Requests are (request_id, prompt_token_ids, params, prompt)."""
+
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, port: int, out_address: str,
+                 dp: DPConfig):
+        from deepinfer.distributed.channels import OutputSender
+        from deepinfer.distributed.process_groups import DPGroup
+
+        logging.basicConfig(level=logging.INFO, format=f"[dp rank {rank}] %(message)s")
+        self.rank, self.world_size, self.dp = rank, world_size, dp
+        self.group = DPGroup(rank, world_size, port, timeout_s=dp.collective_timeout_s)
+        self.engine = LLMEngine(_rank_config(config, world_size))
+        self.sched = _ObservedScheduler(self.engine.scheduler)
+        self.engine.scheduler = self.sched
+        self.moe_blocks, self.ep_stats = self._shard_experts()
+        self.vote = StepVote(dp.prefill_attempt_interval, dp.prefill_any_attempt_interval)
+        self.out = OutputSender(out_address)
+        self.pending: deque = deque()
+
+    def _shard_experts(self):
+        """Keeps only this rank's slots of every MoE layer and installs the expert-parallel hook."""
+        import torch
+
+        from deepinfer.distributed.ep_moe import EPStats, ExpertParallel, shard_experts
+        from deepinfer.layers.moe import RoutedMoE
+
+        stats = EPStats()
+        blocks = [m for m in self.engine.model.modules() if isinstance(m, RoutedMoE)]
+        if not blocks:
+            return [], stats
+        placement = self.engine.eplb.placement
+        self.engine.eplb.enabled = False  # its replanning moves weights within one process only
+        top_k = int(hf_get(self.engine.hf_config, "num_experts_per_tok"))
+        slots = placement.local_slots(self.rank)
+        for b in blocks:
+            b.experts = shard_experts(b.experts, slots)
+            b.ep = ExpertParallel(self.rank, self.world_size, placement.slots_per_gpu, top_k,
+                                  self.engine.config.dtype, self.group.ep_group, stats)
+        torch.set_num_threads(self.engine.config.num_threads)
+        return blocks, stats
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def local_slots(self) -> list[int]:
+        return list(self.engine.eplb.placement.local_slots(self.rank)) if self.moe_blocks else []
+
+    def run_session(self, requests: list) -> dict:
+        """Queues the requests, then steps with the group until no rank has work. Finished requests go
+        to the front over zmq as (rank, [RequestOutput]). Returns this rank's RankStats as a dict."""
+        self.pending.extend(requests)
+        stats, start = RankStats(), time.perf_counter()
+        self.ep_stats.reset()
+        while True:
+            has_prefill, has_decode = self._has_prefill(), self.sched.num_running > 0
+            t = time.perf_counter()
+            num_prefill, num_decode = self.group.vote(has_prefill, has_decode)
+            stats.vote_s += time.perf_counter() - t
+            kind = self.vote.decide(num_prefill, num_decode, self.world_size)
+            if kind is None:
+                break
+            self._step(kind, has_prefill, has_decode, stats)
+        stats.a2a_s, stats.a2a_bytes = self.ep_stats.a2a_s, self.ep_stats.bytes_sent
+        stats.wall_s = time.perf_counter() - start
+        logger.info("session done: %d steps (%d prefill, %d decode, %d dummy, %d mismatched)", stats.steps,
+                    stats.prefill_steps, stats.decode_steps, stats.dummy_steps, stats.mismatched)
+        return dataclasses.asdict(stats)
+
+    def _step(self, kind, has_prefill: bool, has_decode: bool, stats: RankStats) -> None:
+        """Runs the voted step type, or a dummy step when this rank has none of it."""
+        t, a2a = time.perf_counter(), self.ep_stats.a2a_s
+        finished, num_tokens = [], 0
+        if (kind == PREFILL and has_prefill) or (kind == DECODE and has_decode):
+            if kind == PREFILL:
+                self._admit()
+            self.sched.want = kind
+            finished, num_tokens = self.engine.step()
+        if num_tokens == 0:  # nothing of the voted type (or the scheduler found nothing to run)
+            self._dummy_step()
+            stats.dummy_steps += 1
+        else:
+            stats.prefill_steps += self.sched.last_type == PREFILL
+            stats.decode_steps += self.sched.last_type == DECODE
+            stats.mismatched += self.sched.last_type != kind
+        stats.steps += 1
+        stats.tokens += num_tokens
+        stats.forward_s += (time.perf_counter() - t) - (self.ep_stats.a2a_s - a2a)
+        if finished:
+            self.out.send((self.rank, finished))
+
+    def _dummy_step(self) -> None:
+        """A forward over zero tokens: every MoE layer joins its collectives, in model order."""
+        for b in self.moe_blocks:
+            b.ep.dummy(b.experts)
+
+    # Prefill gating: requests wait here until a PREFILL step admits them (see module docstring).
+    def _budget(self) -> list:
+        s = self.sched
+        return [s.num_running, s.num_free_state_slots, s.block_manager.num_free_blocks, 0]
+
+    def _fits(self, request, budget: list) -> bool:
+        """Whether the C++ prefill would admit all of request's sequences now; updates budget."""
+        _, ids, params, _ = request
+        c, n = self.engine.config, params.n
+        blocks = n * -(-len(ids) // c.block_size)
+        running, slots, free_blocks, tokens = budget
+        if (running + n > c.max_num_seqs or slots < n or free_blocks < blocks
+                or tokens + n * len(ids) > c.max_num_batched_tokens):
+            return False
+        budget[:] = [running + n, slots - n, free_blocks - blocks, tokens + n * len(ids)]
+        return True
+
+    def _has_prefill(self) -> bool:
+        if self.sched.num_waiting:
+            return True
+        if not self.pending:
+            return False
+        # An idle engine always admits something (the C++ checks one max_model_len sequence fits).
+        return self.sched.num_running == 0 or self._fits(self.pending[0], self._budget())
+
+    def _admit(self) -> None:
+        """Hands the C++ scheduler the queued requests it will admit in this prefill step."""
+        if self.sched.num_waiting:
+            return  # preempted sequences go first, the C++ FCFS order
+        budget = self._budget()
+        first = self.sched.num_running == 0
+        while self.pending and (self._fits(self.pending[0], budget) or first):
+            self.engine.add_request(*self.pending.popleft())
+            first = False
+
+    def window_load(self):
+        """[W, L, E] this rank's recorded expert load (LLM.get_expert_load sums the ranks)."""
+        return self.engine.eplb.recorder.window_load() if self.engine.eplb is not None else None
+
+    def close(self) -> None:
+        self.out.close()
+        self.group.destroy()
+
+
+def _rank_config(config: EngineConfig, world_size: int) -> EngineConfig:
+    """The rank's EngineConfig: its placement is planned for world_size expert-parallel ranks."""
+    eplb = dict(config.eplb_config or {})
+    if eplb.get("num_gpus", world_size) != world_size:
+        raise ValueError(f"eplb_config num_gpus={eplb['num_gpus']} must equal data_parallel_size={world_size}")
+    eplb["num_gpus"] = world_size
+    return dataclasses.replace(config, eplb_config=eplb)
+
+
+# ----------------------------------------------------------------------------------------------------
+# front
+
+
+class DPEngine:
+    """k DP ranks behind LLMEngine's surface. Ray is started on 127.0.0.1 unless ray_address names a
+    cluster to join (or Ray is already initialised); rank processes end with this object."""
+
+    def __init__(self, config: EngineConfig, data_parallel_size: int, ray_address: str | None = None,
+                 dp_config: dict | None = None):
+        from deepinfer.distributed import ray_launch
+        from deepinfer.distributed.channels import OutputReceiver
+        from deepinfer.distributed.process_groups import free_port
+        from deepinfer.models.loader import load_tokenizer
+
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 2:
+            raise ValueError(f"DPEngine needs data_parallel_size >= 2, got {data_parallel_size!r}")
+        config.validate()
+        self.config, self.dp, self.world_size = config, DPConfig.from_dict(dp_config), data_parallel_size
+        self.hf_config = _hf_config(config.model)
+        config.fill_defaults(self.hf_config)
+        self.vocab_size = self.hf_config.vocab_size
+        self.tokenizer = load_tokenizer(config.model)
+        if getattr(config, "speculative", None):
+            raise ValueError("LLM(speculative=...) is not supported with data_parallel_size > 1 yet")
+        self.spec = None  # read by LLMEngine.validate_request
+        self.eplb = None  # expert load lives in the ranks: see get_expert_load()
+        self.balancer = DecodeBalancer(data_parallel_size)
+        self._queued: list = []
+        self._outstanding: dict[str, tuple[int, int]] = {}  # request_id -> (rank, kv length)
+        self._session, self._session_done_at, self._failed = None, None, None
+        self.last_stats: list[dict] = []
+        owns_ray = ray_launch.ensure_ray(ray_address)
+        self.receiver = OutputReceiver()
+        port = free_port()
+        self.actors = ray_launch.start_actors(
+            DPRankWorker, data_parallel_size,
+            lambda r: (config, r, data_parallel_size, port, self.receiver.address, self.dp),
+            self.dp.num_cpus_per_rank, self.dp.num_gpus_per_rank)
+        self._finalizer = weakref.finalize(self, _shutdown, self.actors, self.receiver, owns_ray)
+        self.rank_pids = self._wait_started()
+
+    def _wait_started(self) -> list[int]:
+        import ray
+
+        try:
+            return ray.get([a.pid.remote() for a in self.actors], timeout=self.dp.start_timeout_s)
+        except Exception as exc:
+            self._finalizer()
+            raise RuntimeError(f"data-parallel ranks failed to start: {_summary(exc)}") from exc
+
+    # LLMEngine's checks need only config, vocab_size and tokenizer, which the front has.
+    validate_request = LLMEngine.validate_request
+    eos_token_ids = LLMEngine.eos_token_ids
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
+                    rank: int | None = None) -> None:
+        """Queues a request for the next session; rank pins it (tests), else the balancer decides."""
+        if rank is not None and not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        self._queued.append(((request_id, list(prompt_token_ids), params, prompt), rank))
+
+    def has_unfinished(self) -> bool:
+        """Requests queued or running, or a session whose ranks have not returned yet (so the last
+        step() of a generate collects the ranks' stats and the next one starts from a closed session)."""
+        return bool(self._queued or self._outstanding or self._session is not None)
+
+    def step(self) -> tuple[list, int]:
+        """Starts a session when requests are queued and none runs, then returns the requests that
+        finished within poll_ms (and 0: tokens are counted by the ranks)."""
+        if self._failed:
+            raise RuntimeError(self._failed)
+        if self._session is None and self._queued:
+            self._start_session()
+        finished = []
+        for rank, outs in self.receiver.recv(self.dp.poll_ms):
+            for out in outs:
+                self.balancer.release(*self._outstanding.pop(out.request_id))
+                finished.append(out)
+        self._check_session()
+        return finished, 0
+
+    def _start_session(self) -> None:
+        kv = [self._kv_len(req) for req, _ in self._queued]
+        free = [i for i, (_, rank) in enumerate(self._queued) if rank is None]
+        ranks = [rank for _, rank in self._queued]
+        for i, r in zip(free, self.balancer.assign([kv[i] for i in free])):
+            ranks[i] = r
+        per_rank: list[list] = [[] for _ in range(self.world_size)]
+        for i, ((req, pinned), r) in enumerate(zip(self._queued, ranks)):
+            if pinned is not None:
+                self.balancer.add(r, kv[i])
+            per_rank[r].append(req)
+            self._outstanding[req[0]] = (r, kv[i])
+        self._queued = []
+        self._session = [a.run_session.remote(reqs) for a, reqs in zip(self.actors, per_rank)]
+        self._session_done_at = None
+
+    def _kv_len(self, req) -> int:
+        _, ids, params, _ = req
+        return params.n * (len(ids) + (params.max_tokens or self.config.max_model_len - len(ids)))
+
+    def _check_session(self) -> None:
+        """Raises (and ends every rank) if a rank failed; closes the session once all ranks returned
+        and every output arrived."""
+        import ray
+
+        if self._session is None:
+            return
+        ready, _ = ray.wait(self._session, num_returns=len(self._session), timeout=0)
+        for ref in ready:
+            rank = self._session.index(ref)
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                self._fail(f"data-parallel rank {rank} failed: {_summary(exc)}", exc)
+        if len(ready) < len(self._session):
+            return
+        if self._session_done_at is None:
+            self._session_done_at = time.monotonic()
+        if not self._outstanding:
+            self.last_stats = ray.get(self._session)
+            self._session = None
+            for r, s in enumerate(self.last_stats):
+                logger.info("dp rank %d: %d steps, %d dummy, %d prefill, %d decode", r, s["steps"],
+                            s["dummy_steps"], s["prefill_steps"], s["decode_steps"])
+        elif time.monotonic() - self._session_done_at > 10.0:
+            self._fail(f"data-parallel ranks finished but {len(self._outstanding)} outputs never arrived", None)
+
+    def _fail(self, message: str, cause) -> None:
+        self._failed = message + " (the DP engine has been shut down)"
+        self._session = None
+        self._finalizer()
+        raise RuntimeError(self._failed) from cause
+
+    def abort_all(self) -> None:
+        """After an exception in generate: a running session cannot be cut short consistently, so
+        the ranks are ended; queued requests are dropped."""
+        self._queued.clear()
+        if self._session is not None and not self._failed:
+            self._failed = "the DP engine was shut down after an interrupted generate"
+            self._finalizer()
+        self._session = None
+        self._outstanding.clear()
+
+    def get_expert_load(self):
+        """[W, L, E] expert load summed over ranks (each rank's last W steps of its own)."""
+        import ray
+
+        loads = ray.get([a.window_load.remote() for a in self.actors])
+        return None if loads[0] is None else sum(loads)
+
+    def shutdown(self) -> None:
+        """Ends every rank process (and Ray, when this engine started it)."""
+        self._finalizer()
+
+
+def _shutdown(actors: list, receiver, owns_ray: bool) -> None:
+    from deepinfer.distributed import ray_launch
+
+    ray_launch.kill_actors(actors)
+    receiver.close()
+    if owns_ray:
+        ray_launch.shutdown_ray()
+
+
+def _hf_config(path: str):
+    from deepinfer.models.loader import find_gguf, gguf_config, hf_dir_config
+
+    gguf = find_gguf(path)
+    return gguf_config(gguf) if gguf else hf_dir_config(path)
+
+
+def _summary(exc: BaseException) -> str:
+    """The exception's type and last message line (a RayTaskError's last line is the rank's error)."""
+    text = str(exc).strip()
+    lines = [l for l in text.splitlines() if l.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
