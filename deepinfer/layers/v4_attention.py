@@ -341,11 +341,16 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(cfg.hidden_size, cfg.index_n_heads, dtype)
 
     def scores(self, q_res, x, cos, sin, keys) -> torch.Tensor:
-        """q_res [N, q_lora], x [N, H], cos/sin [N, rd/2], keys [N, E, Di] -> fp32 scores [N, E]."""
-        q = self.q_b_proj(q_res).view(q_res.shape[0], self.n_heads, self.dim)
-        q = apply_rope(q, cos[:, None], sin[:, None])
-        keys = keys.float().expand(q.shape[0], -1, -1)  # prefill: one key set for all queries (a view)
-        s = F.relu(torch.bmm(q.float(), keys.transpose(1, 2))) * self.dim ** -0.5  # [N, Hi, E]
+        """q_res [N, q_lora], x [N, H], cos/sin [N, rd/2], keys [N, E, Di] (decode: per sequence) or [E, Di]
+        (prefill: one sequence's keys for all its queries) -> fp32 scores [N, E]."""
+        N = q_res.shape[0]
+        q = self.q_b_proj(q_res).view(N, self.n_heads, self.dim)
+        q = apply_rope(q, cos[:, None], sin[:, None]).float()
+        if keys.dim() == 2:
+            s = torch.matmul(q.view(N * self.n_heads, self.dim), keys.float().t()).view(N, self.n_heads, -1)
+        else:
+            s = torch.bmm(q, keys.float().transpose(1, 2))
+        s = F.relu(s) * self.dim ** -0.5  # [N, Hi, E]
         w = self.scorer.weights_proj(x).float() * self.n_heads ** -0.5
         return (s * w.unsqueeze(-1)).sum(dim=1)
 
@@ -470,9 +475,14 @@ class V4Attention(nn.Module):
             ikv, igate = idx_proj
             self.indexer.prefill_update(ikv[a:b], igate[a:b], p0, slot, table, emit)
             keys = self.indexer.pool.read(self.indexer.pool.rows(table[None], w[None])[0])
-            scores = self.indexer.scores(q_res[a:b], x[a:b], cos[a:b], sin[a:b], keys.unsqueeze(0))
-            idx, valid = self.indexer.select(scores, visible)
-            visible = torch.zeros_like(visible).scatter_(1, idx, valid)
+            chosen = torch.zeros_like(visible)
+            for c0 in range(0, b - a, PREFILL_QUERY_CHUNK):  # tiles bound the [C, Hi, n] score tensor
+                c1 = min(c0 + PREFILL_QUERY_CHUNK, b - a)
+                rows = slice(a + c0, a + c1)
+                scores = self.indexer.scores(q_res[rows], x[rows], cos[rows], sin[rows], keys)
+                idx, valid = self.indexer.select(scores, visible[c0:c1])
+                chosen[c0:c1].scatter_(1, idx, valid)
+            visible = chosen
         return entries, visible
 
     def _attend_tiles(self, q, pos, keys, lo, entries, visible) -> torch.Tensor:
