@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 from examples.peers.paths import GGUF_DIR, LLAMA_BENCH, LLAMA_SRC
-from examples.sweep.benchmark import PeerMissing
-from examples.sweep.deepinfer_point import PointError
+from examples.sweep.errors import PeerMissing, PointError
 
 
 def gguf_path(model_dir: str, outtype: str) -> str:

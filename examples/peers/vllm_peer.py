@@ -4,8 +4,7 @@ import os
 import subprocess
 
 from examples.peers.paths import VLLM_PYTHON
-from examples.sweep.benchmark import PeerMissing
-from examples.sweep.deepinfer_point import PointError
+from examples.sweep.errors import PeerMissing, PointError
 
 # The settings PEERS.md found necessary on these machines (KV space in GiB, no process fork).
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

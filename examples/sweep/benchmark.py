@@ -18,7 +18,7 @@ import sys
 import time
 
 from examples.sweep import metrics, model_cost
-from examples.sweep.deepinfer_point import PointError
+from examples.sweep.errors import PeerMissing, PointError
 from examples.sweep.roofline import machine, rates_for
 
 ENGINE_OPTIONS = {
@@ -29,10 +29,6 @@ ENGINE_OPTIONS = {
     "llamacpp": {"outtype", "num_threads"},
 }
 MAKERS = {"medium_qwen3_moe": "examples.make_medium_qwen3_moe", "medium_v4": "examples.make_medium_v4"}
-
-
-class PeerMissing(Exception):
-    """A peer whose setup (examples/peers/setup_peers.sh) has not been run here."""
 
 
 def resolve_model(name: str) -> str:

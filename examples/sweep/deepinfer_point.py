@@ -5,12 +5,9 @@ import time
 import torch
 
 from deepinfer import LLM, SamplingParams, _C
+from examples.sweep.errors import PointError
 from examples.sweep.metrics import accepted_tokens_per_step, steps_per_second
 from examples.sweep.step_timer import PHASES, StepTimer
-
-
-class PointError(Exception):
-    """A point that cannot be measured as asked; the message says why, the sweep goes on."""
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

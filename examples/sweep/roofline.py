@@ -12,8 +12,6 @@ import json
 import os
 import time
 
-import torch
-
 
 def _best(fn, repeats: int) -> float:
     fn()
@@ -27,26 +25,35 @@ def _best(fn, repeats: int) -> float:
 
 def bandwidth(mib: int = 512, repeats: int = 10) -> float:
     """Bytes per second of a streaming read (sum of a large array)."""
+    import torch  # here, not at the top: the sweep's listing and tables import this file
+
     a = torch.ones(mib << 18)  # mib MiB of fp32
     return a.numel() * 4 / _best(a.sum, repeats)
 
 
-def matmul_rate(dtype: torch.dtype, m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> float:
+def matmul_rate(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> float:
+    import torch
+
+    dtype = torch.float32
     x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
     return 2 * m * k * n / _best(lambda: x @ w, repeats)
 
 
 def measure(threads: int) -> dict:
     """All rates at one thread count (restores torch's previous setting)."""
+    import torch
+
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return {"threads": threads, "bandwidth": bandwidth(), "matmul": matmul_rate(torch.float32)}
+        return {"threads": threads, "bandwidth": bandwidth(), "matmul": matmul_rate()}
     finally:
         torch.set_num_threads(old)
 
 
 def machine() -> dict:
+    import torch
+
     with open("/proc/cpuinfo") as f:
         name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
     return {"cpu": name, "cores": os.cpu_count(), "isa": torch.backends.cpu.get_cpu_capability(),

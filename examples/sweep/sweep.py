@@ -45,7 +45,9 @@ def problem(name: str, conf: dict) -> str | None:
 
 
 def points(cfg: dict, report=print) -> dict[str, list[str]]:
-    """{point name: benchmark argv without --out} for every runnable configuration."""
+    """{point name: benchmark argv without --out} for every runnable configuration, ordered by
+    (parallel size, batch, configuration): the engines of one batch run back to back, so their ratio
+    sees the same machine load."""
     out = {}
     for name, conf in cfg["configurations"].items():
         why = problem(name, conf)
@@ -60,8 +62,8 @@ def points(cfg: dict, report=print) -> dict[str, list[str]]:
                         "--steps", str(cfg.get("steps", 60))]
                 if cfg.get("prefill_tokens") and conf.get("engine", "deepinfer") == "deepinfer":
                     argv += ["--prefill-tokens", *map(str, cfg["prefill_tokens"])]
-                out[f"{name}-dp{dp}-b{batch}".replace(" ", "_").replace("/", "_")] = argv
-    return out
+                out[f"{name}-dp{dp}-b{batch}".replace(" ", "_").replace("/", "_")] = (dp, batch, argv)
+    return {k: v[2] for k, v in sorted(out.items(), key=lambda kv: kv[1][:2])}
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,159 @@
+"""Throughput sweep: the arithmetic on synthetic timings, config handling, and a tiny end-to-end sweep."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from examples.peers import llamacpp_peer
+from examples.sweep import metrics, model_cost, plot_pareto, sweep, table
+from examples.sweep.step_timer import split
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEDIUM = {"model_type": "qwen3_moe", "vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 16,
+          "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "num_local_experts": 32,
+          "num_experts_per_tok": 4, "moe_intermediate_size": 512, "intermediate_size": 2816,
+          "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def test_rates_from_synthetic_steps():
+    sps = metrics.steps_per_second([0.02, 0.03, 0.05])  # 3 steps in 0.1 s
+    assert sps == pytest.approx(30.0)
+    assert metrics.per_user_tps(sps) == pytest.approx(30.0)
+    assert metrics.per_rank_tps(sps, 64) == pytest.approx(1920.0)
+    assert metrics.per_rank_tps(sps, 64, ranks=4, tokens_per_step=2.5) == pytest.approx(1200.0)
+    assert metrics.accepted_tokens_per_step(100, 100 + 60 * 8, 60, 8) == 1.0
+    assert metrics.accepted_tokens_per_step(0, 60 * 8 * 2.5, 60, 8) == 2.5
+    with pytest.raises(ValueError):
+        metrics.steps_per_second([])
+
+
+def test_tau_is_an_input_and_chain_acceptance_differs():
+    assert metrics.tau_from_acceptance(3, 0.75) == pytest.approx(3.25)  # DeepInfer's plot
+    assert metrics.chain_tau(5, 0.75) == pytest.approx(3.29, abs=0.005)  # the Q&A's fixed-five figure
+    assert metrics.chain_tau(3, 0.75) == pytest.approx(2.73, abs=0.005)
+    with pytest.raises(ValueError):
+        metrics.tau_from_acceptance(3, 1.5)
+
+
+def test_floor_and_experts_touched():
+    assert metrics.experts_touched(32, 4, 1) == pytest.approx(4)
+    assert metrics.experts_touched(32, 4, 64) == pytest.approx(32 * (1 - (28 / 32) ** 64))
+    mem = metrics.floor_ms(1e9, 1e9, bandwidth=1e10, matmul_rate=1e11)
+    assert (mem["ms"], mem["bound"]) == (pytest.approx(100.0), "memory")
+    comp = metrics.floor_ms(1e6, 1e12, bandwidth=1e10, matmul_rate=1e11)
+    assert (comp["ms"], comp["bound"]) == (pytest.approx(10_000.0), "compute")
+    assert metrics.time_over_floor(250.0, 100.0) == 2.5
+
+
+def test_medium_cost_matches_the_published_shape():
+    s = model_cost.shape(MEDIUM)
+    one = model_cost.decode_step_cost(s, 1, 64, 2, 2)
+    assert one["active_params_per_token"] == pytest.approx(176e6, rel=0.01)  # "176M active per token"
+    assert one["weight_params_read"] == pytest.approx(one["active_params_per_token"])  # B=1 touches k experts
+    many = model_cost.decode_step_cost(s, 10_000, 64, 2, 2)
+    assert many["weight_params_read"] + 32000 * 1024 == pytest.approx(913e6, rel=0.01)  # all experts + embedding
+    assert model_cost.shape({"model_type": "deepseek_v4"}) is None  # no floor rather than a wrong one
+
+
+def test_step_split_sums_to_total():
+    acc = {"schedule": 0.001, "prepare": 0.002, "execute": 0.050, "sampler": 0.004, "sampling_batch": 0.001}
+    ph = split(0.060, acc)
+    assert ph["forward"] == pytest.approx(0.044)
+    assert ph["sampling"] == pytest.approx(0.005)
+    assert ph["output"] == pytest.approx(0.060 - 0.001 - 0.002 - 0.044 - 0.005)
+    assert sum(ph[k] for k in ("draft", "schedule", "prepare", "forward", "sampling", "output")) == pytest.approx(ph["total"])
+
+
+def _point(name, batch, sps, nextn=None, accepted=None):
+    tokens = accepted or 1.0
+    return {"name": name, "dp": 1, "decode_num_requests": batch, "decode_avg_sps": sps, "decode_step_ms": 1000 / sps,
+            "nextn": nextn, "accepted_tokens_per_step": accepted,
+            "tokens_per_s_per_user": sps * tokens, "tokens_per_s_per_rank": sps * batch * tokens,
+            "floor": {"bytes": 1e8, "flops": 1e9, "threads": 1, "ms": 1.0}, "step_split_ms": None, "prefill": []}
+
+
+def test_assumed_tau_only_labelled_and_beside_measured(tmp_path):
+    spec = [_point("spec", b, 10.0 / b ** 0.5, nextn=3, accepted=2.1) for b in (1, 4, 16)]
+    plain = [_point("plain", b, 12.0 / b ** 0.5) for b in (1, 4, 16)]
+    xs, ys, taus = plot_pareto.assumed_xy(spec, 3.25, None)
+    assert taus == [3.25] * 3 and xs[0] == pytest.approx(32.5) and ys[2] == pytest.approx(10 / 4 * 16 * 3.25)
+    assert plot_pareto.assumed_xy(spec, None, 0.75)[2] == [pytest.approx(3.25)] * 3
+    assert plot_pareto.assumed_xy(plain, 3.25, None) is None  # no drafts: nothing to assume
+    assert plot_pareto.measured_xy(spec)[0][0] == pytest.approx(21.0)  # measured 2.1 tokens per step
+    out = tmp_path / "p.png"
+    labels = plot_pareto.plot(spec + plain, str(out), tau=3.25)
+    assert any("ASSUMED tau=3.25" in lab for lab in labels)
+    assert any(lab.startswith("spec (measured 2.10") for lab in labels)
+    assert "plain" in labels and not any("plain" in lab and "ASSUMED" in lab for lab in labels)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ASSUMED" not in " ".join(plot_pareto.plot(spec, str(out)))  # never without being asked
+
+
+def test_table_refloors_with_the_sweeps_rates():
+    p = _point("x", 4, 5.0)
+    table.refloor([p], {"rates": [{"threads": 1, "bandwidth": 1e10, "matmul": 1e11}]})
+    assert p["floor"]["ms"] == pytest.approx(10.0) and p["time_over_floor"] == pytest.approx(20.0)
+    assert "| x | 1 | 4 | 200.0 |" in table.table([p])
+
+
+def test_config_problems_are_reported_and_skipped(tmp_path, monkeypatch):
+    monkeypatch.setitem(sweep.PEER_FILES, "vllm", str(tmp_path / "absent"))
+    cfg = {"model": "m", "batches": [1, 2], "configurations": {
+        "ok": {"engine": "deepinfer"}, "typo": {"engine": "deepinfer", "options": {"dtyp": "bf16"}},
+        "peer": {"engine": "vllm"}, "extra": {"engine": "deepinfer", "bacthes": [3]}}}
+    said = []
+    pts = sweep.points(cfg, said.append)
+    assert sorted(pts) == ["ok-dp1-b1", "ok-dp1-b2"]
+    assert any("unknown configuration key(s) ['dtyp']" in s for s in said)
+    assert any("peer vllm not set up (run examples/peers/setup_peers.sh)" in s for s in said)
+    assert any("unknown key(s) ['bacthes']" in s for s in said)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**cfg, "bathces": [1]}))
+    with pytest.raises(ValueError, match="bathces"):
+        sweep.load(str(bad))
+
+
+def test_llamacpp_table_parse():
+    text = ("main: n_kv_max = 8704\n\n|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |"
+            "      T s |    S t/s |\n|-------|--------|------|--------|----------|----------|----------|----------|"
+            "----------|----------|\n|    64 |     64 |   16 |   2048 |    1.000 |  1024.00 |    2.000 |   512.00 |"
+            "    3.000 |   682.67 |\n")
+    row = llamacpp_peer.parse_table(text, 16)
+    assert row["S_TG t/s"] == 512.0 and row["T_PP s"] == 1.0
+
+
+def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
+    """Two points run, a too-large batch and a missing peer are reported, JSON and PNG come out,
+    and a second run skips what is done."""
+    cfg = {"model": tiny_qwen3_moe, "context": 8, "warmup": 2, "steps": 4, "batches": [1, 2], "configurations": {
+        "tiny": {"engine": "deepinfer", "options": {"dtype": "float32"}},
+        "tiny-pool": {"engine": "deepinfer", "options": {"kv_cache_memory": 60000}, "batches": [64]},
+        "llama": {"engine": "llamacpp"}}}
+    path, out = tmp_path / "cfg.json", tmp_path / "out"
+    path.write_text(json.dumps(cfg))
+    out.mkdir()  # synthetic rates: measuring the machine is the benchmark's job, not the test's
+    (out / "roofline.json").write_text(json.dumps({"rates": [{"threads": 1, "bandwidth": 1e10, "matmul": 4e10}]}))
+    env = {**os.environ, "PYTHON": sys.executable, "DEEPINFER_PEERS_DIR": str(tmp_path / "no-peers"),
+           "SWEEP_REMEASURE": "0"}
+    run = lambda: subprocess.run(["bash", "examples/sweep/run_sweep.sh", str(path), str(out)], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=300)
+    first = run()
+    assert first.returncode == 0, first.stderr[-2000:]
+    log = first.stdout + first.stderr
+    assert "peer llamacpp not set up (run examples/peers/setup_peers.sh)" in log
+    assert "needs 64 KV blocks" in log and "point tiny-pool-dp1-b64 not measured" in log
+    for b in (1, 2):
+        p = json.loads((out / "points" / f"tiny-dp1-b{b}.json").read_text())
+        assert p["decode_num_requests"] == b and p["decode_steps"] == 4
+        assert p["decode_avg_sps"] == pytest.approx(1000 / p["decode_step_ms"])
+        assert p["tokens_per_s_per_rank"] == pytest.approx(b * p["tokens_per_s_per_user"])
+        assert p["accepted_tokens_per_step"] is None and p["floor"]["ms"] > 0 and p["time_over_floor"] > 0
+        assert sum(v for k, v in p["step_split_ms"].items() if k != "total") == pytest.approx(p["step_split_ms"]["total"])
+    assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| tiny | 1 | 2 |" in (out / "table.md").read_text()
+    mtime = (out / "points" / "tiny-dp1-b1.json").stat().st_mtime
+    second = run()
+    assert "skip tiny-dp1-b1 (done" in second.stdout
+    assert (out / "points" / "tiny-dp1-b1.json").stat().st_mtime == mtime
