@@ -7,6 +7,7 @@ small byte-level BPE tokenizer (the converter pads the vocabulary to vocab_size)
 hash is unknown to the converter, which refuses it; any known BPE pre-tokenizer is fine for
 throughput runs, so "gpt-2" is declared."""
 import glob
+import json
 import os
 import sys
 import tempfile
@@ -20,7 +21,8 @@ def stage(model_dir: str, out: str) -> str:
         os.symlink(os.path.abspath(f), os.path.join(out, os.path.basename(f)))
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"],
+    vocab = min(512, json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"])
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
@@ -33,7 +35,10 @@ def main():
     sys.path[:0] = [src, os.path.join(src, "gguf-py")]
     import convert_hf_to_gguf as conv
 
-    base = getattr(conv, "TextModel", None) or getattr(conv, "Model")
+    try:  # 0.3.36 keeps the model classes in a package beside the script; older ones inline them
+        from conversion.base import TextModel as base
+    except ImportError:
+        base = getattr(conv, "TextModel", None) or getattr(conv, "Model")
     base.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
     with tempfile.TemporaryDirectory() as tmp:
         sys.argv = ["convert_hf_to_gguf.py", stage(model_dir, tmp), "--outfile", out_file, "--outtype", outtype]
