@@ -77,6 +77,18 @@ def test_greedy_dp2_matches_dp1(tiny_qwen3_moe, dp2):
     assert sum(s["tokens"] > 0 for s in stats) == 2
 
 
+def test_expert_load_is_summed_over_ranks(dp2, tmp_path):
+    dp2.generate(prompts(4, seed=9), GREEDY, use_tqdm=False)
+    load = dp2.get_expert_load()
+    assert load.shape[1:] == (2, 8) and int(load.sum()) > 0
+    # every step of the window saw the same number of routed (token, k) pairs in both layers
+    assert torch.equal(load[:, 0].sum(-1), load[:, 1].sum(-1))
+    dp2.dump_expert_load(str(tmp_path / "load.npz"))
+    import numpy as np
+
+    assert np.load(tmp_path / "load.npz")["load"].shape == tuple(load.shape)
+
+
 def test_ranks_hold_half_the_experts(dp2):
     import ray
 
@@ -178,6 +190,59 @@ def test_expert_parallel_matches_fused_moe(tokens):
     for p in procs:
         p.join(10)
     assert results == [(0, True, 4), (1, True, 4)]  # dispatch + combine, twice
+
+
+def _transfer_worker(rank, port, queue):
+    from deepinfer.distributed.expert_transfer import exchange_experts
+    from deepinfer.distributed.process_groups import DPGroup
+    from eplb.placement import identity_phy2log
+
+    group = DPGroup(rank, 2, port, timeout_s=30)
+    L, E, R = 2, 6, 8
+    torch.manual_seed(0)
+    full = {"a": torch.randn(L, E, 3, 4), "b": torch.randn(L, E, 5).to(torch.bfloat16)}  # logical weights
+    old = identity_phy2log(L, E, R)                                          # slots 6, 7 hold experts 0, 1
+    new = torch.stack([torch.randperm(R) % E for _ in range(L)])             # every slot may change
+    per = R // 2
+    local = [{n: w[l][old[l, rank * per:(rank + 1) * per]].clone() for n, w in full.items()} for l in range(L)]
+    written, received = exchange_experts(local, old, new, rank, 2)
+    ok = all(torch.equal(local[l][n], full[n][l][new[l, rank * per:(rank + 1) * per]])
+             for l in range(L) for n in full)
+    queue.put((rank, ok, received > 0))
+    group.destroy()
+
+
+def test_expert_weights_move_between_ranks_by_plan_transfers():
+    import torch.multiprocessing as mp
+
+    from deepinfer.distributed.process_groups import free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_transfer_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert results == [(0, True, True), (1, True, True)]
+
+
+@pytest.mark.slow
+def test_eplb_replans_across_ranks_and_keeps_greedy_outputs(tiny_qwen3_moe, ray_local):
+    import ray
+
+    ps = prompts(8, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = LLM(tiny_qwen3_moe, **SMALL).generate(ps, params, use_tqdm=False)
+    llm = LLM(tiny_qwen3_moe, data_parallel_size=2, enable_eplb=True,
+              eplb_config={"step_interval": 4, "window_size": 4, "num_redundant_experts": 2}, **SMALL)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    states = ray.get([a.eplb_state.remote() for a in llm.engine.actors])
+    llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert all(s["replans"] >= 4 for s in states) and states[0]["phy2log"] == states[1]["phy2log"]
+    assert sum(s["received"] for s in states) > 0, "some expert should have crossed ranks"
 
 
 # ----------------------------------------------------------------------------------------------------

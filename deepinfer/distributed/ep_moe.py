@@ -81,7 +81,7 @@ class ExpertParallel:
         """uint8 [M, H * itemsize + 8k] -> x [M, H], local ids [M, k] (int64, -1 none), weights [M, k]."""
         nb = hidden_size * torch.empty(0, dtype=dtype).element_size()
         rx = recv[:, :nb].contiguous().view(dtype)
-        meta = recv[:, nb:].contiguous().view(torch.float32)
+        meta = recv[:, nb:].clone().view(torch.float32)  # a fresh, aligned copy (small)
         k = meta.shape[1] // 2
         return rx, meta[:, :k].long(), meta[:, k:]
 

@@ -181,6 +181,9 @@ class DPRankWorker:
         self.vote = StepVote(dp.prefill_attempt_interval, dp.prefill_any_attempt_interval)
         self.out = OutputSender(out_address)
         self.pending: deque = deque()
+        # Group-wide EPLB: every rank counts the same steps, so all replan at the same step.
+        self.eplb_enabled = config.enable_eplb and bool(self.moe_blocks)
+        self.group_steps, self.num_replans, self.num_moved, self.num_received = 0, 0, 0, 0
 
     def _shard_experts(self):
         """Keeps only this rank's slots of every MoE layer and installs the expert-parallel hook."""
@@ -243,6 +246,8 @@ class DPRankWorker:
         if num_tokens == 0:  # nothing of the voted type (or the scheduler found nothing to run)
             self._dummy_step()
             stats.dummy_steps += 1
+            if self.engine.eplb is not None:
+                self.engine.eplb.recorder.end_step()  # keep every rank's load window on group steps
         else:
             stats.prefill_steps += self.sched.last_type == PREFILL
             stats.decode_steps += self.sched.last_type == DECODE
@@ -252,6 +257,36 @@ class DPRankWorker:
         stats.forward_s += (time.perf_counter() - t) - (self.ep_stats.a2a_s - a2a)
         if finished:
             self.out.send((self.rank, finished))
+        self.group_steps += 1
+        if self.eplb_enabled and self.group_steps % self.engine.eplb.config.step_interval == 0:
+            self._replan()
+
+    def _replan(self) -> None:
+        """Plans on the group's load (all-reduced window) and moves expert weights across ranks."""
+        from deepinfer.distributed.expert_transfer import exchange_experts
+        from eplb.placement import ExpertPlacement, moe_lb_total
+        from eplb.policy import rebalance_experts
+
+        eplb, c = self.engine.eplb, self.engine.eplb.config
+        load = self.group.all_reduce_sum(eplb.recorder.total().clone())
+        old = eplb.placement.phy2log
+        new = rebalance_experts(load, eplb.placement.num_physical, c.num_groups, c.num_nodes, self.world_size,
+                                prev_phy2log=old)[0]
+        written, received = exchange_experts([b.experts.slot_weights() for b in self.moe_blocks], old, new,
+                                             self.rank, self.world_size, self.group.ep_group)
+        eplb.placement = ExpertPlacement(new, self.world_size, eplb.placement.num_experts)
+        self.num_replans += 1
+        self.num_moved += written
+        self.num_received += received
+        logger.info("eplb replan at group step %d: moe_lb %.4f -> %.4f; %d slots rewritten here, %d from other "
+                    "ranks", self.group_steps, moe_lb_total(load, old, self.world_size),
+                    moe_lb_total(load, new, self.world_size), written, received)
+
+    def eplb_state(self) -> dict:
+        """Replans so far, slots rewritten / received on this rank, and the current phy2log [L, R]."""
+        p = self.engine.eplb.placement if self.engine.eplb is not None else None
+        return {"replans": self.num_replans, "moved": self.num_moved, "received": self.num_received,
+                "phy2log": None if p is None else p.phy2log.tolist()}
 
     def _dummy_step(self) -> None:
         """A forward over zero tokens: every MoE layer joins its collectives, in model order."""
@@ -297,6 +332,11 @@ class DPRankWorker:
         """[W, L, E] this rank's recorded expert load (LLM.get_expert_load sums the ranks)."""
         return self.engine.eplb.recorder.window_load() if self.engine.eplb is not None else None
 
+    def window_info(self) -> tuple[int, int]:
+        """(window size, steps recorded) of this rank's expert-load recorder."""
+        r = self.engine.eplb.recorder
+        return r.window, r.steps
+
     def close(self) -> None:
         self.out.close()
         self.group.destroy()
@@ -336,8 +376,10 @@ class DPEngine:
         self.tokenizer = load_tokenizer(config.model)
         if getattr(config, "speculative", None):
             raise ValueError("LLM(speculative=...) is not supported with data_parallel_size > 1 yet")
+        if config.engine_type != "normal":
+            raise ValueError(f"LLM(engine_type={config.engine_type!r}) is not supported with data_parallel_size > 1; "
+                             "DP ranks run engine_type='normal'")
         self.spec = None  # read by LLMEngine.validate_request
-        self.eplb = None  # expert load lives in the ranks: see get_expert_load()
         self.balancer = DecodeBalancer(data_parallel_size)
         self._queued: list = []
         self._outstanding: dict[str, tuple[int, int]] = {}  # request_id -> (rank, kv length)
@@ -352,6 +394,12 @@ class DPEngine:
             self.dp.num_cpus_per_rank, self.dp.num_gpus_per_rank)
         self._finalizer = weakref.finalize(self, _shutdown, self.actors, self.receiver, owns_ray)
         self.rank_pids = self._wait_started()
+        self.eplb = _GroupExpertLoad(self.actors) if self._has_moe() else None
+
+    def _has_moe(self) -> bool:
+        import ray
+
+        return bool(ray.get(self.actors[0].local_slots.remote()))
 
     def _wait_started(self) -> list[int]:
         import ray
@@ -388,8 +436,9 @@ class DPEngine:
         finished = []
         for rank, outs in self.receiver.recv(self.dp.poll_ms):
             for out in outs:
-                self.balancer.release(*self._outstanding.pop(out.request_id))
-                finished.append(out)
+                if out.request_id in self._outstanding:  # else aborted before it arrived
+                    self.balancer.release(*self._outstanding.pop(out.request_id))
+                    finished.append(out)
         self._check_session()
         return finished, 0
 
@@ -456,16 +505,38 @@ class DPEngine:
         self._session = None
         self._outstanding.clear()
 
-    def get_expert_load(self):
-        """[W, L, E] expert load summed over ranks (each rank's last W steps of its own)."""
-        import ray
-
-        loads = ray.get([a.window_load.remote() for a in self.actors])
-        return None if loads[0] is None else sum(loads)
-
     def shutdown(self) -> None:
         """Ends every rank process (and Ray, when this engine started it)."""
         self._finalizer()
+
+
+class _GroupExpertLoad:
+    """What LLM.get_expert_load / dump_expert_load read (engine.eplb.recorder) for a DP group: the
+    ranks' load windows summed. Ranks close a window step on every group step, dummy ones included,
+    so step i of every rank's window is the same group step."""
+
+    def __init__(self, actors: list):
+        self.actors = actors
+
+    @property
+    def recorder(self) -> "_GroupExpertLoad":
+        return self
+
+    def window_load(self):
+        """[W, L, E] tokens per logical expert, summed over ranks, for the last W group steps."""
+        import ray
+
+        return sum(ray.get([a.window_load.remote() for a in self.actors]))
+
+    def dump(self, path: str) -> None:
+        """The .npz of ExpertLoadRecorder.dump, for `python -m eplb.replan`."""
+        import numpy as np
+        import ray
+
+        load = self.window_load()
+        window, steps = ray.get(self.actors[0].window_info.remote())
+        np.savez(path, load=load.numpy(), num_layers=load.shape[1], num_experts=load.shape[2], window=window,
+                 steps=steps)
 
 
 def _shutdown(actors: list, receiver, owns_ray: bool) -> None:
