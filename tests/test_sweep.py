@@ -125,10 +125,12 @@ def test_llamacpp_table_parse():
 
 
 def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
-    """Two points run, a too-large batch and a missing peer are reported, JSON and PNG come out,
-    and a second run skips what is done."""
-    cfg = {"model": tiny_qwen3_moe, "context": 8, "warmup": 2, "steps": 4, "batches": [1, 2], "configurations": {
-        "tiny": {"engine": "deepinfer", "options": {"dtype": "float32"}},
+    """Two points run (one plain, one drafting), a too-large batch and a missing peer are reported,
+    JSON and PNG come out, and a second run skips what is done."""
+    replay = {"method": "replay", "num_draft_tokens": 2, "acceptance": 1.0, "verify": "all"}
+    cfg = {"model": tiny_qwen3_moe, "context": 8, "warmup": 2, "steps": 4, "configurations": {
+        "tiny": {"engine": "deepinfer", "options": {"dtype": "float32"}, "batches": [1]},
+        "tiny-replay": {"engine": "deepinfer", "options": {"dtype": "float32", "speculative": replay}, "batches": [2]},
         "tiny-pool": {"engine": "deepinfer", "options": {"kv_cache_memory": 60000}, "batches": [64]},
         "llama": {"engine": "llamacpp"}}}
     path, out = tmp_path / "cfg.json", tmp_path / "out"
@@ -144,15 +146,20 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
     log = first.stdout + first.stderr
     assert "peer llamacpp not set up (run examples/peers/setup_peers.sh)" in log
     assert "needs 64 KV blocks" in log and "point tiny-pool-dp1-b64 not measured" in log
-    for b in (1, 2):
-        p = json.loads((out / "points" / f"tiny-dp1-b{b}.json").read_text())
+    plain = json.loads((out / "points" / "tiny-dp1-b1.json").read_text())
+    spec = json.loads((out / "points" / "tiny-replay-dp1-b2.json").read_text())
+    for p, b in ((plain, 1), (spec, 2)):
         assert p["decode_num_requests"] == b and p["decode_steps"] == 4
         assert p["decode_avg_sps"] == pytest.approx(1000 / p["decode_step_ms"])
-        assert p["tokens_per_s_per_rank"] == pytest.approx(b * p["tokens_per_s_per_user"])
-        assert p["accepted_tokens_per_step"] is None and p["floor"]["ms"] > 0 and p["time_over_floor"] > 0
         assert sum(v for k, v in p["step_split_ms"].items() if k != "total") == pytest.approx(p["step_split_ms"]["total"])
+    assert plain["accepted_tokens_per_step"] is None and plain["floor"]["ms"] > 0 and plain["time_over_floor"] > 0
+    assert plain["tokens_per_s_per_user"] == pytest.approx(plain["decode_avg_sps"])
+    # Every draft right (acceptance 1): 2 drafts + 1 bonus token per step, measured from the outputs.
+    assert spec["accepted_tokens_per_step"] == 3.0 and spec["nextn"] == 2
+    assert spec["tokens_per_s_per_rank"] == pytest.approx(2 * 3.0 * spec["decode_avg_sps"])
+    assert spec["step_split_ms"]["draft"] > 0
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| tiny | 1 | 2 |" in (out / "table.md").read_text()
+    assert "| tiny-replay | 1 | 2 |" in (out / "table.md").read_text()
     mtime = (out / "points" / "tiny-dp1-b1.json").stat().st_mtime
     second = run()
     assert "skip tiny-dp1-b1 (done" in second.stdout

@@ -21,9 +21,16 @@ def prefill_shape(tokens: int, context: int) -> tuple[int, int]:
     return n, tokens // n
 
 
+def new_tokens(p, opts: dict) -> int:
+    """Output tokens per sequence: enough that no sequence can finish before the timed window ends
+    (a drafting step commits up to 1 + k tokens); the run is cut right after the window."""
+    spec = opts.get("speculative") or {}
+    return (p.warmup + p.steps) * (1 + int(spec.get("num_draft_tokens", 0))) + 1
+
+
 def make_llm(p, opts: dict) -> LLM:
     """The engine for a point, sized so the decode batch and the prefill points fit in one step each."""
-    new = p.warmup + p.steps + 1
+    new = p.new_tokens
     biggest = max([p.batch] + [prefill_shape(t, p.context)[0] for t in p.prefill_tokens])
     kw = dict(dtype="bfloat16", max_model_len=p.context + new + 1, max_num_seqs=biggest,
               kv_cache_memory=512 << 20, num_threads=1)
@@ -42,7 +49,7 @@ def check_capacity(engine, p) -> None:
     cache = getattr(engine, "cache", None)
     if cache is None:
         return  # DP front: each rank checks its own pool
-    per_seq = math.ceil((p.context + p.warmup + p.steps + 1) / cache.block_size)
+    per_seq = math.ceil((p.context + p.new_tokens) / cache.block_size)
     if p.batch * per_seq > cache.num_blocks:
         raise PointError(f"batch {p.batch} needs {p.batch * per_seq} KV blocks of {cache.block_size} tokens "
                          f"({per_seq} per sequence) but the pool holds {cache.num_blocks}: raise "
@@ -56,10 +63,32 @@ def warm_up(engine) -> None:
         engine.step()
 
 
+def replay_references(engine, batch: list[list[int]], params) -> None:
+    """The replay drafter (speculative={"method": "replay", ...}) proposes a known continuation with
+    per-position acceptance a; without given references it gets this batch's own greedy output,
+    generated here with drafting switched off (untimed)."""
+    spec = getattr(engine, "spec", None)
+    drafter = getattr(spec, "drafter", None)
+    if drafter is None or not hasattr(drafter, "references") or drafter.references:
+        return
+    engine.spec = None
+    try:
+        for i, ids in enumerate(batch):
+            engine.add_request(f"ref{i}", ids, params)
+        states = list(engine.seqs.values())
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.spec = spec
+    drafter.references = {tuple(ids): list(s.token_ids) for ids, s in zip(batch, states)}
+
+
 def run_decode(engine, p) -> dict:
     """Prefill the batch, then warmup + steps decode steps; times only the last `steps`."""
-    params = SamplingParams(temperature=0, max_tokens=p.warmup + p.steps + 1, ignore_eos=True)
-    for i, ids in enumerate(prompts(p.batch, p.context, engine.vocab_size, seed=p.batch)):
+    params = SamplingParams(temperature=0, max_tokens=p.new_tokens, ignore_eos=True)
+    batch = prompts(p.batch, p.context, engine.vocab_size, seed=p.batch)
+    replay_references(engine, batch, params)
+    for i, ids in enumerate(batch):
         engine.add_request(f"d{i}", ids, params)
     states = list(engine.seqs.values())  # kept: the engine drops a sequence's state when it finishes
     prefill, decode, splits, before, after = [], [], [], None, None
@@ -76,8 +105,10 @@ def run_decode(engine, p) -> dict:
                 _check_fixed(batch, p.batch)
                 decode.append(split["total"])
                 splits.append(split)
-            if len(decode) == p.warmup + p.steps and after is None:
+            if len(decode) == p.warmup + p.steps:
                 after = sum(len(s.token_ids) for s in states)
+                break
+    engine.abort_all()  # drafting runs stop short of max_tokens: end them, untimed
     if after is None:
         raise PointError(f"only {len(decode)} decode steps ran; needed {p.warmup + p.steps}")
     measured, split_ms = decode[p.warmup:], _mean_split(splits[p.warmup:])
@@ -135,6 +166,7 @@ def run_generate_diff(llm: LLM, p) -> dict:
 
 def measure(p, opts: dict) -> dict:
     """Everything the JSON reports about deepinfer at this point."""
+    p.new_tokens = new_tokens(p, opts)
     llm = make_llm(p, opts)
     try:
         if p.dp > 1:

@@ -28,6 +28,9 @@ class _Timed:
         finally:
             self.acc[self.key] = self.acc.get(self.key, 0.0) + time.perf_counter() - t
 
+    def __getattr__(self, name):  # e.g. the engine reads runner.sampler.generator
+        return getattr(self.fn, name)
+
 
 class _SchedulerProxy:
     """Stands in for the C++ Scheduler (whose attributes cannot be replaced): times schedule() and

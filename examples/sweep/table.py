@@ -34,7 +34,7 @@ def _f(x, fmt="{:.1f}") -> str:
 
 def row(p: dict) -> str:
     s, fl = p.get("step_split_ms"), p.get("floor")
-    split = " / ".join(f"{s[k]:.1f}" for k in ("schedule", "prepare", "forward", "sampling", "output")) if s else "-"
+    split = " / ".join(f"{s[k]:.1f}" for k in ("draft", "schedule", "prepare", "forward", "sampling", "output")) if s else "-"
     pre = p["prefill"][0] if p.get("prefill") else None
     return (f"| {p['name']} | {p['dp']} | {p['decode_num_requests']} | {p['decode_step_ms']:.1f} | "
             f"{p['decode_avg_sps']:.2f} | {p['tokens_per_s_per_user']:.2f} | {p['tokens_per_s_per_rank']:.1f} | "
@@ -45,7 +45,7 @@ def row(p: dict) -> str:
 
 def table(points: list[dict]) -> str:
     head = ("| configuration | ranks | batch | decode ms/step | steps/s | tok/s per user | tok/s per rank | "
-            "accepted tok/step | floor ms | time / floor | schedule / prep / forward / sampling / output ms | "
+            "accepted tok/step | floor ms | time / floor | draft / schedule / prep / forward / sampling / output ms | "
             "prefill tok/s @ tok/step |")
     return "\n".join([head, "|" + "---|" * 12] + [row(p) for p in points])
 

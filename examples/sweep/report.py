@@ -1,0 +1,59 @@
+"""Writes a finished sweep into docs/benchmarks.md (section "Throughput sweep") and its plot under docs/.
+
+    python -m examples.sweep.report OUTDIR [--png sweep_medium_qwen3_moe.png] [--command "..."]
+"""
+import argparse
+import json
+import os
+import shutil
+
+from deepinfer.docs import DOC, write_section
+from examples.sweep.plot_pareto import plot
+from examples.sweep.table import load_points, refloor, table
+
+TITLE = "Throughput sweep"
+
+
+def ratios(points: list[dict], ours: str, peer: str) -> str:
+    """Per batch: both engines' ms/step (run back to back) and their ratio."""
+    by = {(p["name"], p["decode_num_requests"]): p for p in points}
+    rows = [f"| batch | {ours} ms/step | {peer} ms/step | {peer} / {ours} | {ours} time / floor | load avg (1 min) at the two runs |",
+            "|---|---|---|---|---|---|"]
+    for b in sorted({p["decode_num_requests"] for p in points}):
+        a, h = by.get((ours, b)), by.get((peer, b))
+        if a and h:
+            rows.append(f"| {b} | {a['decode_step_ms']:.1f} | {h['decode_step_ms']:.1f} | "
+                        f"{h['decode_step_ms'] / a['decode_step_ms']:.2f}x | {a['time_over_floor'] or 0:.2f} | "
+                        f"{a['machine']['load_avg']:.1f} / {h['machine']['load_avg']:.1f} |")
+    return "\n".join(rows)
+
+
+def rates_line(roofline: dict) -> str:
+    return ", ".join(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: read {r['bandwidth'] / 1e9:.1f} GB/s, "
+                     f"fp32 matmul {r['matmul'] / 1e9:.1f} GFLOP/s" for r in roofline["rates"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--png", default="sweep_medium_qwen3_moe.png")
+    ap.add_argument("--ours", default="deepinfer-bf16")
+    ap.add_argument("--peer", default="transformers-bf16")
+    ap.add_argument("--intro", default="", help="text before the tables (shape, method, caveats)")
+    ap.add_argument("--outro", default="", help="text after the plot")
+    args = ap.parse_args()
+    pts = load_points(os.path.join(args.outdir, "points"))
+    roof = json.load(open(os.path.join(args.outdir, "roofline.json")))
+    refloor(pts, roof)
+    png = os.path.join(os.path.dirname(DOC), args.png)
+    plot(pts, png, title="medium Qwen3-MoE decode, 64 prompt + 64 new tokens (labels: batch)")
+    body = "\n\n".join(x for x in [
+        args.intro, f"Floor rates (measured in this sweep, best of its start and end): {rates_line(roof)}.",
+        ratios(pts, args.ours, args.peer), table(pts), f"![tokens/s per rank against tokens/s per user]({args.png})",
+        args.outro] if x)
+    write_section(TITLE, body)
+    print(f"wrote section {TITLE!r} of {DOC} and {png}")
+
+
+if __name__ == "__main__":
+    main()
