@@ -83,7 +83,7 @@ def main() -> None:
     models = [("tiny Qwen3-MoE fp32", make_qwen3_moe(tempfile.mkdtemp(prefix="tiny_qwen3_moe_")), "float32", 256)]
     if not args.skip_medium:
         models.append(("medium Qwen3-MoE bf16", make_medium(), "bfloat16", 32000))
-    rows = []
+    rows, load_before = [], os.getloadavg()[0]
     for name, path, dtype, vocab in models:
         reqs = prompts(args.requests, args.prompt, vocab - 6)
         for dp, threads in ((1, 1), (1, 2), (2, 1)):
@@ -97,16 +97,23 @@ def main() -> None:
             "of the step type; both collectives block until the other rank arrives, so they include waiting "
             "for the slower rank. All-to-all KiB counts the rows sent to the other rank (dispatch + combine, "
             "all MoE layers, both ranks).\n\n"
+            f"1-minute load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run "
+            f"(2 vCPUs; other jobs share the machine).\n\n"
             f"    python examples/bench_dp.py --requests {args.requests} --prompt {args.prompt} --new {args.new}\n\n"
             + table(rows) + "\n\n" + LIMITS)
     write_section("Data and expert parallelism", body)
     print(table(rows))
 
 
-LIMITS = ("What limits scaling here: two DP ranks share 2 vCPUs, the second of which delivers about a quarter "
-          "of a core, so the ranks cannot both compute at full speed and the group steps at the pace of the "
-          "slower one (that wait shows up as vote time); the tiny model's steps are dominated by per-layer "
-          "collective latency over loopback gloo (three all-to-alls per MoE layer), not by FLOPs.")
+LIMITS = ("What limits scaling on this machine: the two ranks share 2 vCPUs, the second worth about a quarter "
+          "of a core, and other jobs often run beside them (see the load average), so the ranks' forwards "
+          "rarely run at the same time. Every MoE layer's all-to-all then waits for the slower rank, which is "
+          "why all-to-all time far exceeds what its bytes need, and why forward time per rank barely drops "
+          "below the single-process step although each rank has half the requests and half the experts. For "
+          "the tiny model the three gloo collectives per MoE layer (a few ms each over loopback) cost more "
+          "than the whole single-process step. One process with two torch threads is slower still (OpenMP "
+          "barriers on small GEMMs). DP pays off where each rank has its own cores or GPU and the all-to-all "
+          "runs over NVLink or RDMA.")
 
 
 if __name__ == "__main__":

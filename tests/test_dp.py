@@ -89,6 +89,26 @@ def test_expert_load_is_summed_over_ranks(dp2, tmp_path):
     assert np.load(tmp_path / "load.npz")["load"].shape == tuple(load.shape)
 
 
+def test_deepseek_v4_greedy_dp2_matches_dp1(tmp_path, ray_local):
+    """DeepSeek-V4's MoE has no `ep` hook: the rank wraps its experts module (3 of 6 experts per rank)."""
+    import ray
+
+    pytest.importorskip("transformers").DeepseekV4ForCausalLM  # noqa: B018
+    from test_deepseek_v4 import make_checkpoint, prompt_of
+
+    make_checkpoint(tmp_path, seed=1)
+    ps = [prompt_of(5, 31), prompt_of(37, 32), prompt_of(19, 34), prompt_of(48, 35)]
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, num_threads=1)
+    ref = LLM(str(tmp_path), **kw).generate(ps, GREEDY, use_tqdm=False)
+    llm = LLM(str(tmp_path), data_parallel_size=2, **kw)
+    outs = llm.generate(ps, GREEDY, use_tqdm=False)
+    layers = ray.get([a.num_ep_layers.remote() for a in llm.engine.actors])
+    stats = llm.engine.last_stats
+    llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert layers == [4, 4] and all(s["a2a_bytes"] > 0 for s in stats)
+
+
 def test_ranks_hold_half_the_experts(dp2):
     import ray
 

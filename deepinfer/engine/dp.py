@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from deepinfer import _C
 from deepinfer.config import EngineConfig, hf_get
 from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.layers.moe import RoutedMoE
 
 logger = logging.getLogger("deepinfer")
 
@@ -177,7 +178,8 @@ class DPRankWorker:
         self.engine = LLMEngine(_rank_config(config, world_size))
         self.sched = _ObservedScheduler(self.engine.scheduler)
         self.engine.scheduler = self.sched
-        self.moe_blocks, self.ep_stats = self._shard_experts()
+        self.ep_layers, self.ep_stats = self._shard_experts()
+        self.moe_blocks = [m for m in self.engine.model.modules() if isinstance(m, RoutedMoE)]
         self.vote = StepVote(dp.prefill_attempt_interval, dp.prefill_any_attempt_interval)
         self.out = OutputSender(out_address)
         self.pending: deque = deque()
@@ -190,12 +192,11 @@ class DPRankWorker:
         import torch
 
         from deepinfer.distributed.ep_moe import EPStats, ExpertParallel, shard_experts
-        from deepinfer.layers.moe import RoutedMoE
 
         stats = EPStats()
         blocks = [m for m in self.engine.model.modules() if isinstance(m, RoutedMoE)]
         if not blocks:
-            return [], stats
+            return self._shard_plain_experts(stats), stats
         placement = self.engine.eplb.placement
         self.engine.eplb.enabled = False  # its replanning moves weights within one process only
         top_k = int(hf_get(self.engine.hf_config, "num_experts_per_tok"))
@@ -205,13 +206,40 @@ class DPRankWorker:
             b.ep = ExpertParallel(self.rank, self.world_size, placement.slots_per_gpu, top_k,
                                   self.engine.config.dtype, self.group.ep_group, stats)
         torch.set_num_threads(self.engine.config.num_threads)
-        return blocks, stats
+        return [(b.ep, b.experts) for b in blocks], stats
+
+    def _shard_plain_experts(self, stats) -> list:
+        """Models whose MoE has no `ep` hook (DeepSeek-V4: `mlp.experts(x, ids, weights)`): expert e
+        lives on rank e // (E / world) (no EPLB placement) and the experts module is wrapped."""
+        import torch
+
+        from deepinfer.distributed.ep_moe import EPExperts, ExpertParallel, shard_experts
+
+        owners = [m for m in self.engine.model.modules()
+                  if isinstance(getattr(m, "experts", None), torch.nn.Module)
+                  and getattr(m.experts, "gate_up_proj", None) is not None]
+        layers = []
+        for m in owners:
+            E = m.experts.gate_up_proj.shape[0]
+            if E % self.world_size:
+                raise ValueError(f"{E} routed experts do not split over data_parallel_size={self.world_size}")
+            per = E // self.world_size
+            local = shard_experts(m.experts, range(self.rank * per, (self.rank + 1) * per))
+            # fp32 on the wire: these experts compute in fp32, so bf16 inputs widen exactly
+            ep = ExpertParallel(self.rank, self.world_size, per, int(hf_get(self.engine.hf_config, "num_experts_per_tok")),
+                                torch.float32, self.group.ep_group, stats)
+            m.experts = EPExperts(ep, local)
+            layers.append((ep, local))
+        return layers
 
     def pid(self) -> int:
         return os.getpid()
 
     def local_slots(self) -> list[int]:
         return list(self.engine.eplb.placement.local_slots(self.rank)) if self.moe_blocks else []
+
+    def num_ep_layers(self) -> int:
+        return len(self.ep_layers)
 
     def run_session(self, requests: list) -> dict:
         """Queues the requests, then steps with the group until no rank has work. Finished requests go
@@ -290,8 +318,8 @@ class DPRankWorker:
 
     def _dummy_step(self) -> None:
         """A forward over zero tokens: every MoE layer joins its collectives, in model order."""
-        for b in self.moe_blocks:
-            b.ep.dummy(b.experts)
+        for ep, experts in self.ep_layers:
+            ep.dummy(experts)
 
     # Prefill gating: requests wait here until a PREFILL step admits them (see module docstring).
     def _budget(self) -> list:
