@@ -1,21 +1,58 @@
 """transformers' generate as a sweep peer (always available): same checkpoint, same prompts.
 
-Decode seconds per step = (generate(n) - generate(1)) / (n - 1): the prefill and the first token
-cancel, leaving the n - 1 decode steps (all of them, warm-up included: generate has no per-step hook)."""
+Default timing ("streamer"): one generate(n) call with a streamer that timestamps every step
+(generate hands it the prompt, then each new token), so the decode steps are timed one by one and
+the same warm-up / timed window as deepinfer's applies. "difference" (option timing) is the classic
+(generate(n) - generate(1)) / (n - 1); on a shared machine it is fragile at large batches, where
+one prefill (e.g. 110 s at batch 16) dwarfs the decode and any drift between the two calls lands
+in the difference."""
 import time
 
 import torch
 
 from examples.sweep.deepinfer_point import prompts
+from examples.sweep.errors import PointError
+from examples.sweep.metrics import steps_per_second
 
 
-def _generate_seconds(model, ids: torch.Tensor, n: int) -> float:
+class StepClock:
+    """A generate streamer (put / end) that only records when each put happens."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _generate(model, ids: torch.Tensor, n: int, streamer=None) -> float:
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
     t = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **kw)
     seconds = time.perf_counter() - t
-    assert out.shape[1] == ids.shape[1] + n, "generate stopped early"
+    if out.shape[1] != ids.shape[1] + n:
+        raise PointError(f"transformers generate stopped after {out.shape[1] - ids.shape[1]} of {n} tokens")
     return seconds
+
+
+def _streamer_timing(model, ids, p, n: int) -> dict:
+    clock = StepClock()
+    _generate(model, ids, n, clock)
+    t = clock.times  # [prompt, token 1 (after prefill), token 2, ...]
+    steps = [b - a for a, b in zip(t[1:], t[2:])][p.warmup:p.warmup + p.steps]
+    sps = steps_per_second(steps)
+    return {"decode_avg_sps": sps, "decode_step_ms": 1000 / sps, "prefill_s": t[1] - t[0],
+            "method": "transformers generate(n), each step timestamped by a streamer; same warm-up/timed window"}
+
+
+def _difference_timing(model, ids, n: int) -> dict:
+    t1, tn = _generate(model, ids, 1), _generate(model, ids, n)
+    sps = (n - 1) / (tn - t1)
+    return {"decode_avg_sps": sps, "decode_step_ms": 1000 / sps, "prefill_s": t1,
+            "method": "(generate(n) - generate(1)) / (n - 1), all decode steps; prefill = generate(1)"}
 
 
 def measure(p, opts: dict) -> dict:
@@ -25,15 +62,12 @@ def measure(p, opts: dict) -> dict:
     dtype = torch.float32 if opts.get("dtype") in ("float32", "fp32") else torch.bfloat16
     kw = {"experts_implementation": opts["experts_implementation"]} if "experts_implementation" in opts else {}
     model = AutoModelForCausalLM.from_pretrained(p.model_dir, dtype=dtype, **kw).eval()
-    vocab = model.config.vocab_size
-    ids = torch.tensor(prompts(p.batch, p.context, vocab, seed=p.batch))
+    ids = torch.tensor(prompts(p.batch, p.context, model.config.vocab_size, seed=p.batch))
     n = p.warmup + p.steps + 1
     with torch.inference_mode():
-        _generate_seconds(model, ids[:1, :8], 2)  # warm-up
-        t1, tn = _generate_seconds(model, ids, 1), _generate_seconds(model, ids, n)
-    sps = (n - 1) / (tn - t1)
-    return {"decode_avg_sps": sps, "decode_step_ms": 1000 / sps, "step_split_ms": None,
-            "measured_tokens_per_step": 1.0,  # generate(n) asserted n new tokens per sequence
-            "prefill": [{"tokens_per_step": p.batch * p.context, "steps": 1, "step_ms": 1000 * t1,
-                         "tokens_per_s": p.batch * p.context / t1}],
-            "method": "(generate(n) - generate(1)) / (n - 1), all decode steps; prefill = generate(1)"}
+        _generate(model, ids[:1, :8], 2)  # warm-up
+        r = _difference_timing(model, ids, n) if opts.get("timing") == "difference" else _streamer_timing(model, ids, p, n)
+    pre = r.pop("prefill_s")
+    return {**r, "step_split_ms": None, "measured_tokens_per_step": 1.0,  # generate checked: n tokens each
+            "prefill": [{"tokens_per_step": p.batch * p.context, "steps": 1, "step_ms": 1000 * pre,
+                         "tokens_per_s": p.batch * p.context / pre}]}

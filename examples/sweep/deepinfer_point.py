@@ -6,6 +6,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams, _C
 from examples.sweep.errors import PointError
+from examples.sweep.model_cost import load_config
 from examples.sweep.metrics import accepted_tokens_per_step, steps_per_second
 from examples.sweep.step_timer import PHASES, StepTimer
 
@@ -148,7 +149,7 @@ def run_prefill(engine, tokens: int, context: int) -> dict:
 
 def run_generate_diff(llm: LLM, p) -> dict:
     """Engines without per-step access (the DP front): decode s/step = (t(n) - t(1)) / (n - 1)."""
-    ids = prompts(p.batch, p.context, llm.engine.vocab_size if hasattr(llm.engine, "vocab_size") else 1000, p.batch)
+    ids = prompts(p.batch, p.context, load_config(p.model_dir)["vocab_size"], p.batch)
     llm.generate([ids[0][:8]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     n, times, outs = p.warmup + p.steps + 1, {}, None
     for k in (1, n):
@@ -166,6 +167,8 @@ def run_generate_diff(llm: LLM, p) -> dict:
 
 def measure(p, opts: dict) -> dict:
     """Everything the JSON reports about deepinfer at this point."""
+    if p.dp > 1 and "speculative" in opts:  # generate() hides how many steps the drafts saved
+        raise PointError("dp > 1 with speculative: the DP front has no per-step view to count steps")
     p.new_tokens = new_tokens(p, opts)
     llm = make_llm(p, opts)
     try:

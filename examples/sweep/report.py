@@ -1,6 +1,7 @@
 """Writes a finished sweep into docs/benchmarks.md (section "Throughput sweep") and its plot under docs/.
 
-    python -m examples.sweep.report OUTDIR [--png sweep_medium_qwen3_moe.png] [--command "..."]
+    python -m examples.sweep.report OUTDIR [--png sweep_medium_qwen3_moe.png] [--intro-file F] [--outro-file F]
+        [--assumed-acceptance A]   # adds DeepInfer's assumed-tau curve beside measured drafting curves
 """
 import argparse
 import json
@@ -39,18 +40,21 @@ def main():
     ap.add_argument("--png", default="sweep_medium_qwen3_moe.png")
     ap.add_argument("--ours", default="deepinfer-bf16")
     ap.add_argument("--peer", default="transformers-bf16")
-    ap.add_argument("--intro", default="", help="text before the tables (shape, method, caveats)")
-    ap.add_argument("--outro", default="", help="text after the plot")
+    ap.add_argument("--intro-file", help="markdown before the tables (shape, method, commands)")
+    ap.add_argument("--outro-file", help="markdown after the plot (caveats, what is left out)")
+    ap.add_argument("--assumed-acceptance", type=float)
     args = ap.parse_args()
+    intro, outro = (open(f).read().strip() if f else "" for f in (args.intro_file, args.outro_file))
     pts = load_points(os.path.join(args.outdir, "points"))
     roof = json.load(open(os.path.join(args.outdir, "roofline.json")))
     refloor(pts, roof)
     png = os.path.join(os.path.dirname(DOC), args.png)
-    plot(pts, png, title="medium Qwen3-MoE decode, 64 prompt + 64 new tokens (labels: batch)")
+    plot(pts, png, acceptance=args.assumed_acceptance,
+         title="medium Qwen3-MoE decode, 64-token prompts, 1 thread (labels: batch)")
     body = "\n\n".join(x for x in [
-        args.intro, f"Floor rates (measured in this sweep, best of its start and end): {rates_line(roof)}.",
+        intro, f"Floor rates (measured in this sweep, best of its start and end): {rates_line(roof)}.",
         ratios(pts, args.ours, args.peer), table(pts), f"![tokens/s per rank against tokens/s per user]({args.png})",
-        args.outro] if x)
+        outro] if x)
     write_section(TITLE, body)
     print(f"wrote section {TITLE!r} of {DOC} and {png}")
 
