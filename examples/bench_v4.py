@@ -1,0 +1,182 @@
+"""DeepSeek-V4: deepinfer vs transformers on the medium checkpoint (examples/make_medium_v4.py), in one run,
+same process, same thread count, bf16 weights.
+
+    python examples/bench_v4.py [--model DIR] [--threads 2] [--steps 6] [--prompt 16] [--prefill 256]
+
+Reports
+  decode ms/step at batch 1/16/64 (prompts of --prompt tokens, then --steps greedy steps; ours is a full
+      engine step: schedule, forward, sampling, output processing; transformers' is model(next_token,
+      cache) plus argmax),
+  prefill tokens/s for one --prefill-token prompt,
+  cache bytes per sequence at 4K context: ours from the cache spec (FP4 and exact), transformers' from
+      its DynamicCache tensors, measured after the prefill and extrapolated to 4096 tokens with the
+      per-layer-type formula the measurement is checked against.
+transformers' bf16 prefill is slow on AVX2 CPUs (no bf16 GEMM), which is why the prompts are short.
+"""
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+
+SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (batch, length), generator=g).tolist()
+
+
+# ---- deepinfer --------------------------------------------------------------------------------------
+
+def ours_run(llm: LLM, batch: list[list[int]], max_tokens: int) -> tuple[list[float], list[tuple[int, float]]]:
+    """Drives the engine step by step: (decode step seconds, [(prefill tokens, seconds)])."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(batch):
+        engine.add_request(f"b{len(batch)}-{i}-{time.monotonic_ns()}", p, params)
+    decode, prefill, running = [], [], len(batch)
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        finished, tokens = engine.step()
+        dt = time.perf_counter() - t
+        if tokens == running:
+            decode.append(dt)
+        else:
+            prefill.append((tokens, dt))
+        running -= len(finished)
+    return decode, prefill
+
+
+def ours_cache_bytes(llm: LLM, context: int) -> int:
+    spec, block = llm.engine.cache.spec, llm.engine.config.block_size
+    return math.ceil(context / block) * spec.bytes_per_block + spec.bytes_per_state_block
+
+
+# ---- transformers -----------------------------------------------------------------------------------
+
+def hf_decode(hf, batch: list[list[int]], steps: int) -> list[float]:
+    with torch.inference_mode():
+        out = hf(torch.tensor(batch), use_cache=True, logits_to_keep=1)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        times = []
+        for _ in range(steps):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            t = time.perf_counter()
+            out = hf(nxt, cache=cache, use_cache=True)
+            out.logits[:, -1].argmax(-1)
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def hf_prefill(hf, prompt: list[int]):
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        dt = time.perf_counter() - t
+    return dt, getattr(out, "cache", None) or out.past_key_values
+
+
+def hf_cache_bytes(cache) -> list[int]:
+    """Bytes per layer of a transformers DeepseekV4 cache (batch 1): every tensor it holds, shared
+    storage (K = V) counted once."""
+    per_layer = []
+    for layer in cache.layers:
+        seen, total = set(), 0
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        for attr in ("compressed_kv", "buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate"):
+            tensors += list(getattr(layer, attr, {}).values())
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        per_layer.append(total)
+    return per_layer
+
+
+def hf_cache_formula(cfg, context: int, elt: int = 2) -> list[int]:
+    """What transformers' cache holds per layer after `context` tokens (prefill in one call): sliding
+    layers K and V apart, window - 1 tokens each; CSA/HCA layers one shared K=V window of window - 1
+    tokens, every compressed entry, the unfinished window's kv and gate; CSA also indexer entries and its
+    buffers, and the last window's Ca halves (the overlap gate is fp32)."""
+    D, Di, w = cfg.head_dim, cfg.index_head_dim, min(context, cfg.sliding_window - 1)
+    out = []
+    for kind in cfg.layer_types:
+        if kind == SWA:
+            out.append(2 * w * D * elt)
+            continue
+        r = cfg.compress_rates[kind]
+        n, left = context // r, context % r
+        if kind == HCA:
+            out.append((w + n + 2 * left) * D * elt)
+            continue
+        ov = r if n else 0
+        main = (w + n + 2 * left * 2) * D * elt + ov * D * (elt + 4)
+        index = (n + 2 * left * 2) * Di * elt + ov * Di * (elt + 4)
+        out.append(main + index)
+    return out
+
+
+# ---- report -----------------------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--batches", default="1,16,64")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model is None:
+        from make_medium_v4 import make
+
+        args.model = make()
+    from transformers import AutoConfig, DeepseekV4ForCausalLM
+
+    cfg = AutoConfig.from_pretrained(args.model)
+    batches = [int(b) for b in args.batches.split(",")]
+    common = dict(dtype="bfloat16", block_size=128, max_num_seqs=max(batches), kv_cache_memory=1 << 30)
+    ours = LLM(args.model, kv_cache_dtype="fp4", **common)
+    ours_exact_bytes = ours_cache_bytes(LLM(args.model, **common), 4096)
+    hf = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+
+    rows = []
+    ours_run(ours, prompts(1, args.prompt, cfg.vocab_size, 99), 3)  # warm-up
+    for b in batches:
+        batch = prompts(b, args.prompt, cfg.vocab_size, b)
+        mine, _ = ours_run(ours, batch, args.steps + 1)
+        theirs = hf_decode(hf, batch, args.steps)
+        rows.append((b, statistics.median(mine) * 1e3, statistics.median(theirs) * 1e3))
+        print(f"batch {b}: ours {rows[-1][1]:.1f} ms/step, transformers {rows[-1][2]:.1f} ms/step", flush=True)
+
+    long_prompt = prompts(1, args.prefill, cfg.vocab_size, 7)
+    _, pre = ours_run(ours, long_prompt, 1)
+    ours_tps = pre[0][0] / pre[0][1]
+    hf_s, cache = hf_prefill(hf, long_prompt[0])
+    hf_tps = args.prefill / hf_s
+    measured, predicted = hf_cache_bytes(cache), hf_cache_formula(cfg, args.prefill)
+    assert measured == predicted, f"transformers cache formula is off: {measured} vs {predicted}"
+    hf_4k = sum(hf_cache_formula(cfg, 4096))
+    ours_4k = ours_cache_bytes(ours, 4096)
+
+    print(f"\nDeepSeek-V4 medium ({args.model}), bf16, {args.threads} threads, decode prompts of {args.prompt} "
+          f"tokens, median of {args.steps} steps\n")
+    print("| | deepinfer | transformers | ratio |")
+    print("|---|---|---|---|")
+    for b, m, t in rows:
+        print(f"| decode batch {b}, ms/step | {m:.1f} | {t:.1f} | {t / m:.2f}x |")
+    for b, m, t in rows:
+        print(f"| decode batch {b}, tokens/s | {b * 1e3 / m:.1f} | {b * 1e3 / t:.1f} | {t / m:.2f}x |")
+    print(f"| prefill {args.prefill} tokens, tokens/s | {ours_tps:.1f} | {hf_tps:.1f} | {ours_tps / hf_tps:.2f}x |")
+    print(f"| cache bytes / sequence at 4K (ours FP4) | {ours_4k:,} | {hf_4k:,} | {hf_4k / ours_4k:.2f}x less |")
+    print(f"| cache bytes / sequence at 4K (ours exact bf16) | {ours_exact_bytes:,} | {hf_4k:,} | "
+          f"{hf_4k / ours_exact_bytes:.2f}x less |")
+
+
+if __name__ == "__main__":
+    main()
