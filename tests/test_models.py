@@ -42,3 +42,20 @@ def test_last_logits_match_transformers(fixture, request):
         ref = model(torch.tensor([ids])).logits[0, -1]
         rel = (ours[i] - ref).norm() / ref.norm()
         assert rel < 1e-4, f"prompt {i}: relative logits error {rel:.2e}"
+
+
+def test_transformers_4_config_spelling(tiny_qwen3_moe, tmp_path):
+    """A config.json as transformers 4 wrote it (rope_theta at top level, num_experts) loads the same."""
+    import json
+    import shutil
+
+    old = tmp_path / "v4_style"
+    shutil.copytree(tiny_qwen3_moe, old)
+    cfg = json.loads((old / "config.json").read_text())
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg["num_experts"] = cfg.pop("num_local_experts", cfg.get("num_experts"))
+    (old / "config.json").write_text(json.dumps(cfg))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    new_out = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20).generate(PROMPTS, params, use_tqdm=False)
+    old_out = LLM(str(old), dtype="float32", kv_cache_memory=16 << 20).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in old_out] == [o.outputs[0].token_ids for o in new_out]
