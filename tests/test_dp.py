@@ -136,6 +136,23 @@ def test_uneven_work_finishes_and_drained_rank_keeps_joining(dp2):
     assert s0["steps"] == s1["steps"] and s0["dummy_steps"] >= 38 and s1["dummy_steps"] == 0
 
 
+def test_limited_ranks_prefill_in_rounds_and_preempt_yet_match_dp1(tiny_qwen3_moe, ray_local):
+    """max_num_seqs=3 and a 24-block pool per rank: prompts wait in the rank's queue for voted prefill
+    steps, decode preempts and recomputes, and greedy outputs still equal one process's."""
+    ps = prompts(12)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(tiny_qwen3_moe, **SMALL).generate(ps, params, use_tqdm=False)
+    small = dict(SMALL, kv_cache_memory=24 * 2048, max_num_seqs=3, max_model_len=64)
+    llm = LLM(tiny_qwen3_moe, data_parallel_size=2,
+              dp_config={"prefill_attempt_interval": 2, "prefill_any_attempt_interval": 3}, **small)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    stats = llm.engine.last_stats
+    llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert all(s["prefill_steps"] >= 2 for s in stats), "6 requests per rank need several prefill rounds"
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+
+
 def test_bad_request_is_rejected_before_any_work(dp2):
     with pytest.raises(ValueError, match="request 1: token id"):
         dp2.generate([[5, 6], [10 ** 6]], GREEDY, use_tqdm=False)
