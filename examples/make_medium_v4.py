@@ -1,7 +1,7 @@
 """Writes the "medium" DeepSeek-V4 checkpoint the V4 benchmark uses: vocab 32000, hidden 1024, 16 layers
 mixing the three attention types (2 sliding, 7 CSA, 7 HCA; rates 4 / 128, window 128), 16 query heads of
 128 sharing one KV head, 64 routed experts top-6 (moe_intermediate 512) plus one shared expert, 3 hash-routed
-layers, 4 hyper-connection streams, bf16 (1.7B params, 0.2B active per token). Random weights with a
+layers, 4 hyper-connection streams, bf16 (1.65B params, ~0.3B active per token). Random weights with a
 random tid2eid table, so routing spreads over the experts as in a trained model.
 
     python examples/make_medium_v4.py [OUT_DIR]     # default ~/.cache/deepinfer/medium-v4

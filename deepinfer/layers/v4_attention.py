@@ -29,10 +29,7 @@ from torch import nn
 from deepinfer.layers import fp4
 from deepinfer.layers.hyper_connection import unweighted_rms_norm
 
-try:  # bf16 weights go to the C++ AVX2 GEMM (torch's bf16 matmul runs ~8 GFLOP/s on these CPUs)
-    from deepinfer.layers.linear import linear
-except ImportError:  # kernels not built into this tree: plain torch
-    linear = F.linear
+from deepinfer.layers.linear import linear  # bf16 weights -> C++ AVX2 GEMM (torch's bf16 matmul is ~8 GFLOP/s here)
 
 PREFILL_QUERY_CHUNK = 256  # queries per dense attention tile in prefill: bounds the [H, C, K] score tile
 
