@@ -47,7 +47,7 @@ class ExpertParallel:
         if x.dtype != self.dtype:
             return self.run(x.to(self.dtype), ids, weights, experts).to(x.dtype)
         send_tok, send_counts, payload = self._pack(x, ids, weights)
-        recv_counts = self._a2a(send_counts, None, None, count=False)
+        recv_counts = self._a2a(send_counts.to(x.device), None, None, count=False).cpu()  # NCCL: device tensors
         recv = self._a2a(payload, recv_counts.tolist(), send_counts.tolist())
         rx, rids, rw = self._unpack(recv, x.shape[1], x.dtype)
         partial = local_experts(rx, rids, rw, experts)

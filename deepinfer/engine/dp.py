@@ -1,8 +1,11 @@
 """Data-parallel attention, expert-parallel MoE: k engine ranks (Ray actors), one step type per step.
 
 Each rank (`DPRankWorker`) is a full LLMEngine with its own C++ scheduler, requests, KV pools and
-attention weights, but only the routed experts of its physical slots (`placement.local_slots(rank)`);
-MoE layers dispatch and combine tokens across ranks (distributed/ep_moe.py). Every step the ranks
+attention weights, but only the routed experts of its physical slots (`placement.local_slots(rank)`,
+redundant slots of an EPLB plan included; models without the RoutedMoE `ep` hook, DeepSeek-V4, get
+their experts module wrapped); shared experts stay replicated. MoE layers dispatch and combine tokens
+across ranks (distributed/ep_moe.py). With enable_eplb the group replans on its all-reduced load and
+expert weights move between rank processes (distributed/expert_transfer.py). Every step the ranks
 all-reduce what work they have and `StepVote` picks one step type for all of them; a rank with nothing
 of that type runs a dummy step (its MoE layers join every all-to-all with zero tokens of their own),
 and a drained rank keeps doing so until the whole group is done.
