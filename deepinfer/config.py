@@ -49,7 +49,7 @@ class EngineConfig:
         """Checks the keywords; max_model_len and max_num_batched_tokens may still be 0 (unset)."""
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size"):
             value = getattr(self, name)
-            unset_ok = name in ("max_model_len", "max_num_batched_tokens") and value == 0
+            unset_ok = name in ("max_model_len", "max_num_batched_tokens", "block_size") and value == 0
             if not isinstance(value, int) or (value < 1 and not unset_ok):
                 raise ValueError(f"LLM({name}=...) must be a positive integer, got {value!r}")
         if 0 < self.max_num_batched_tokens < self.max_model_len:
@@ -64,8 +64,11 @@ class EngineConfig:
             raise ValueError(f"LLM(engine_type={self.engine_type!r}) must be normal, prompt or completion")
 
 
-    def fill_defaults(self, hf_config) -> None:
-        """Unset lengths come from the model config."""
+    def fill_defaults(self, hf_config, block_size_multiple: int = 1) -> None:
+        """Unset lengths come from the model config; an unset block size is 16 or the smallest the
+        model's cache layout allows (DeepSeek-V4: 128, one HCA window)."""
+        if not self.block_size:
+            self.block_size = max(16, block_size_multiple)
         if not self.max_model_len:
             self.max_model_len = int(hf_get(hf_config, "max_position_embeddings", default=4096))
         if not self.max_num_batched_tokens:

@@ -16,6 +16,7 @@ logger = logging.getLogger("deepinfer")
 class LLM:
     """model: an HF model directory, a .gguf file or a directory holding one.
     kv_cache_memory: bytes for both KV pools (paged blocks plus one StateBlock per max_num_seqs).
+    block_size: source tokens per KV block; defaults to 16, or what the model's cache layout needs.
     max_model_len: defaults to the model's max_position_embeddings; max_num_batched_tokens to
     max(8192, max_model_len).
     engine_type: "normal" (prefill and decode), "prompt" (prefill, then hand off) or "completion".
@@ -31,13 +32,13 @@ class LLM:
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,
-                 block_size: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
+                 block_size: int | None = None, seed: int = 0, kv_cache_dtype: str = "auto",
                  engine_type: str = "normal", num_threads: int | None = None, enable_eplb: bool = False,
                  eplb_config: dict | None = None, eplb_plan: str | None = None, speculative: dict | None = None,
                  data_parallel_size: int = 1, ray_address: str | None = None, dp_config: dict | None = None):
         config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
-                              kv_cache_memory=kv_cache_memory, block_size=block_size,
+                              kv_cache_memory=kv_cache_memory, block_size=block_size or 0,
                               kv_cache_dtype=kv_cache_dtype, seed=seed, engine_type=engine_type,
                               num_threads=num_threads or EngineConfig.default_num_threads(),
                               enable_eplb=enable_eplb, eplb_config=eplb_config, eplb_plan=eplb_plan,

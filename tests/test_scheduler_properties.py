@@ -123,3 +123,16 @@ def test_prompt_engine_hands_off_and_completion_imports():
     assert completion.import_sequence(5, list(seq.token_ids), 6, _C.SamplingLimits(5))
     batch = completion.schedule()
     assert batch.type == _C.StepType.DECODE and list(batch.positions) == [6]
+
+
+def test_forced_step_types_for_the_dp_vote():
+    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=4)
+    sched.add_sequence(0, [3] * 5, _C.SamplingLimits(8))
+    assert sched.can_prefill()
+    assert sched.schedule(_C.StepType.DECODE).type == _C.StepType.IDLE, "nothing running to decode"
+    sched.process(batch := sched.schedule(_C.StepType.PREFILL), [9] * batch.num_seqs)
+    sched.add_sequence(1, [3] * 5, _C.SamplingLimits(8))
+    forced = sched.schedule(_C.StepType.DECODE)
+    assert forced.type == _C.StepType.DECODE and list(forced.seq_ids) == [0] and sched.num_waiting == 1
+    sched.process(forced, [9])
+    assert sched.schedule().type == _C.StepType.PREFILL

@@ -163,3 +163,12 @@ def test_ngram_lookup_finds_the_latest_match():
     assert tokens.tolist() == [[3, 4, 1]] and (conf > 0).all()
     tokens, conf = d.propose([[7, 8, 9]], None)
     assert (conf == 0).all()
+
+
+def test_models_that_cannot_roll_back_drafts_refuse_speculation(tmp_path):
+    from test_deepseek_v4 import make_checkpoint
+
+    make_checkpoint(tmp_path / "v4", seed=1)
+    with pytest.raises(ValueError, match="roll back"):
+        LLM(str(tmp_path / "v4"), dtype="float32", kv_cache_memory=16 << 20,
+            speculative={"method": "ngram", "num_draft_tokens": 2})

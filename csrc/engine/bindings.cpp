@@ -139,7 +139,9 @@ PYBIND11_MODULE(_C, m) {
       .def("add_sequence", &Scheduler::add_sequence, py::arg("seq_id"), py::arg("prompt"), py::arg("limits"))
       .def("import_sequence", &Scheduler::import_sequence, py::arg("seq_id"), py::arg("tokens"),
            py::arg("num_prompt_tokens"), py::arg("limits"))
-      .def("schedule", &Scheduler::schedule, py::call_guard<py::gil_scoped_release>())
+      .def("schedule", &Scheduler::schedule, py::arg("want") = StepType::IDLE,
+           py::call_guard<py::gil_scoped_release>())
+      .def("can_prefill", &Scheduler::can_prefill)
       .def("process", &Scheduler::process, py::call_guard<py::gil_scoped_release>())
       .def("process_multi", &Scheduler::process_multi, py::call_guard<py::gil_scoped_release>())
       .def("set_drafts", &Scheduler::set_drafts, py::arg("seq_id"), py::arg("drafts"))

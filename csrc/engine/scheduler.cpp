@@ -76,11 +76,21 @@ bool Scheduler::import_sequence(int64_t seq_id, const std::vector<int32_t>& toke
   return true;
 }
 
-ScheduledBatch Scheduler::schedule() {
+ScheduledBatch Scheduler::schedule(StepType want) {
   ScheduledBatch batch;
-  if (config_.engine_type != EngineType::COMPLETION && schedule_prefill(batch)) return batch;
-  if (config_.engine_type != EngineType::PROMPT) schedule_decode(batch);
+  bool may_prefill = config_.engine_type != EngineType::COMPLETION && want != StepType::DECODE;
+  bool may_decode = config_.engine_type != EngineType::PROMPT && want != StepType::PREFILL;
+  if (may_prefill && schedule_prefill(batch)) return batch;
+  if (may_decode) schedule_decode(batch);
   return batch;
+}
+
+bool Scheduler::can_prefill() const {
+  if (config_.engine_type == EngineType::COMPLETION || waiting_.empty()) return false;
+  const Sequence* seq = waiting_.front();
+  return static_cast<int>(running_.size()) < config_.max_num_seqs && !free_slots_.empty() &&
+         seq->num_tokens() - seq->num_computed_tokens <= config_.max_num_batched_tokens &&
+         blocks_.can_allocate(blocks_.blocks_for(seq->num_tokens()));
 }
 
 bool Scheduler::schedule_prefill(ScheduledBatch& batch) {

@@ -62,7 +62,11 @@ class Scheduler {
   // blocks or a state slot are short; on success the caller copies its KV into block_table(seq_id).
   bool import_sequence(int64_t seq_id, const std::vector<int32_t>& tokens, int num_prompt_tokens,
                        const SamplingLimits& limits);
-  ScheduledBatch schedule();
+  // want = IDLE picks the type (prefill first when anything can be admitted); PREFILL or DECODE
+  // forces it, as a DP group's vote does, returning an IDLE batch when nothing of that type fits.
+  ScheduledBatch schedule(StepType want = StepType::IDLE);
+  // Whether the head of the waiting queue would be admitted by a prefill step now.
+  bool can_prefill() const;
   // Applies one sampled token per scheduled sequence (-1 marks a failed row, finished with ERROR).
   std::vector<StepOutput> process(const ScheduledBatch& batch, const std::vector<int32_t>& tokens);
   // Speculative decoding: per sequence the accepted drafts plus one target token ({-1}: failed).

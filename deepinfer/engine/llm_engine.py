@@ -70,7 +70,7 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.num_threads)
         self.model, self.hf_config = load_model(config.model, config.dtype)
-        config.fill_defaults(self.hf_config)
+        config.fill_defaults(self.hf_config, self.model.block_size_multiple)
         self.tokenizer = load_tokenizer(config.model)
         self.eplb = self._make_eplb()
         self.vocab_size = self.hf_config.vocab_size
@@ -81,6 +81,8 @@ class LLMEngine:
         self.cache = CacheEngine(spec, config.kv_cache_memory, config.max_num_seqs, config.block_size)
         self.model.bind_cache(self.cache.paged, self.cache.state)
         self.cache.log_memory_plan(config.max_model_len)
+        for line in getattr(self.model, "memory_plan_lines", lambda *_: [])(spec, config.block_size):
+            logger.info("memory plan: %s", line)
         self.scheduler = _C.Scheduler(self._scheduler_config())
         self.runner = ModelRunner(self.model, config.block_size, config.seed)
         self.spec = Speculator(SpecConfig.from_dict(config.speculative), self) if config.speculative else None

@@ -77,6 +77,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     block_size_multiple = 1
     qk_norm = False
+    # All per-token state is paged KV: a rejected draft's slot is masked out, then overwritten.
+    supports_draft_rollback = True
 
     def __init__(self, cfg, dtype: torch.dtype):
         super().__init__()

@@ -50,7 +50,9 @@ def hf_dir_config(path: str):
         with open(config_path) as f:
             json.load(f)
         return AutoConfig.from_pretrained(path)
-    except (json.JSONDecodeError, ValueError, KeyError) as e:
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # transformers raises its own (non-ValueError) classes for bad fields
         raise ValueError(f"{config_path}: cannot parse model config: {e}") from e
 
 
