@@ -14,14 +14,10 @@ The front (`DPEngine`, in the caller's process) has LLMEngine's surface (add_req
 has_unfinished / validate_request / abort_all): it assigns requests to ranks with `DecodeBalancer`,
 starts one session per batch of requests (a Ray call per rank) and gathers finished requests over zmq.
 
-Forcing a step type: `_C.Scheduler.schedule()` always prefers prefill when a waiting sequence fits,
-so a rank cannot be told "decode now" while it holds admissible waiting sequences. The rank therefore
-keeps new requests in a Python queue and hands them to the C++ scheduler only on a PREFILL step, and
-only as many as the scheduler will admit in that step (the same limits it checks: max_num_seqs, state
-slots, free blocks, max_num_batched_tokens). Sequences preempted in a decode step re-enter the C++
-waiting queue and may be recomputed in a later DECODE-voted step; that is counted as `mismatched`
-(the collectives still line up: every forward runs every MoE layer once). If the scheduler grows
-`schedule(StepType)`, `_ObservedScheduler` passes the voted type through and the gating becomes exact.
+Forcing a step type: each rank runs `engine.step(voted type)`, and the C++ scheduler schedules only that
+type (an empty result becomes a dummy step). New requests still wait in a Python queue on the rank and
+enter the C++ scheduler on PREFILL steps, as many as it will admit, so the vote's "has prefill work"
+reflects requests not yet admitted.
 """
 import dataclasses
 import logging
@@ -133,16 +129,14 @@ class DecodeBalancer:
 
 
 class _ObservedScheduler:
-    """Wraps the C++ scheduler for LLMEngine: records the type of each scheduled batch and passes the
-    voted type to schedule() when the extension supports schedule(StepType)."""
+    """Wraps the C++ scheduler for LLMEngine to record the type of each scheduled batch."""
 
     def __init__(self, sched):
         self._sched = sched
-        self._typed = "StepType" in (type(sched).schedule.__doc__ or "")
-        self.want, self.last_type = None, None
+        self.last_type = None
 
-    def schedule(self):
-        batch = self._sched.schedule(self.want) if self._typed and self.want is not None else self._sched.schedule()
+    def schedule(self, want=_C.StepType.IDLE):
+        batch = self._sched.schedule(want)
         self.last_type = batch.type
         return batch
 
@@ -272,8 +266,7 @@ class DPRankWorker:
         if (kind == PREFILL and has_prefill) or (kind == DECODE and has_decode):
             if kind == PREFILL:
                 self._admit()
-            self.sched.want = kind
-            finished, num_tokens = self.engine.step()
+            finished, num_tokens = self.engine.step(kind)
         if num_tokens == 0:  # nothing of the voted type (or the scheduler found nothing to run)
             self._dummy_step()
             stats.dummy_steps += 1

@@ -152,13 +152,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> tuple[list[RequestOutput], int]:
-        """Runs one step. Returns the requests that finished in it and the tokens it processed."""
+    def step(self, want=_C.StepType.IDLE) -> tuple[list[RequestOutput], int]:
+        """Runs one step (of type `want` when a DP group voted one). Returns the requests that
+        finished in it and the tokens it processed (0: nothing of that type could run)."""
         if self.spec is not None:
             self.spec.prepare(self)
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(want)
         if batch.type == _C.StepType.IDLE:
-            if self.scheduler.has_unfinished():
+            if want == _C.StepType.IDLE and self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler has unfinished sequences but could schedule none")
             return [], 0
         for seq_id in batch.preempted:
