@@ -40,8 +40,8 @@ class _SchedulerProxy:
         self._s, self._timer = scheduler, timer
         self._schedule, self.process = _Timed(scheduler.schedule, acc, "schedule"), _Timed(scheduler.process, acc, "process")
 
-    def schedule(self):
-        batch = self._schedule()
+    def schedule(self, *args, **kwargs):  # e.g. schedule(want): the DP group's voted step type
+        batch = self._schedule(*args, **kwargs)
         self._timer.last_batch = batch
         return batch
 
