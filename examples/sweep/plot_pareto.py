@@ -72,7 +72,7 @@ def plot(points: list[dict], out: str, tau: float | None = None, acceptance: flo
     ax.set_xscale("log")
     ax.set_yscale("log")
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-    sparse = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else "")
+    sparse = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}".lstrip("0.")[:1] in ("2", "5") else "")
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_formatter(plain)
         axis.set_minor_formatter(sparse)  # 2 and 5 between decades: readable without crowding
