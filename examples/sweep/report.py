@@ -34,6 +34,15 @@ def rates_line(roofline: dict) -> str:
                      f"fp32 matmul {r['matmul'] / 1e9:.1f} GFLOP/s" for r in roofline["rates"])
 
 
+def also(outdir: str, text_file: str) -> str:
+    """A further shape's table (e.g. medium V4), refloored with its own sweep's rates."""
+    pts = load_points(os.path.join(outdir, "points"))
+    roof = os.path.join(outdir, "roofline.json")
+    if os.path.exists(roof):
+        refloor(pts, json.load(open(roof)))
+    return open(text_file).read().strip() + "\n\n" + table(pts)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("outdir")
@@ -43,6 +52,8 @@ def main():
     ap.add_argument("--intro-file", help="markdown before the tables (shape, method, commands)")
     ap.add_argument("--outro-file", help="markdown after the plot (caveats, what is left out)")
     ap.add_argument("--assumed-acceptance", type=float)
+    ap.add_argument("--also", nargs=2, action="append", default=[], metavar=("OUTDIR", "TEXT_FILE"),
+                    help="another sweep's table (no plot) after TEXT_FILE's heading and notes")
     args = ap.parse_args()
     intro, outro = (open(f).read().strip() if f else "" for f in (args.intro_file, args.outro_file))
     pts = load_points(os.path.join(args.outdir, "points"))
@@ -54,7 +65,7 @@ def main():
     body = "\n\n".join(x for x in [
         intro, f"Floor rates (measured in this sweep, best of its start and end): {rates_line(roof)}.",
         ratios(pts, args.ours, args.peer), table(pts), f"![tokens/s per rank against tokens/s per user]({args.png})",
-        outro] if x)
+        outro] + [also(d, f) for d, f in args.also] if x)
     write_section(TITLE, body)
     print(f"wrote section {TITLE!r} of {DOC} and {png}")
 
