@@ -63,7 +63,7 @@ def main():
     plot(pts, png, acceptance=args.assumed_acceptance,
          title="medium Qwen3-MoE decode, 64-token prompts, 1 thread (labels: batch)")
     body = "\n\n".join(x for x in [
-        intro, f"Floor rates (measured in this sweep, best of its start and end): {rates_line(roof)}.",
+        intro, f"Floor rates (best of the measurements made at the start and end of each run_sweep.sh into this directory): {rates_line(roof)}.",
         ratios(pts, args.ours, args.peer), table(pts), f"![tokens/s per rank against tokens/s per user]({args.png})",
         outro] + [also(d, f) for d, f in args.also] if x)
     write_section(TITLE, body)
