@@ -76,6 +76,15 @@ class EngineConfig:
         self.validate()
 
 
+def dataclass_from_dict(cls, d: dict | None, keyword: str):
+    """Builds an options dataclass from an LLM(keyword={...}) dict, refusing unknown keys by name."""
+    d = dict(d or {})
+    unknown = set(d) - set(cls.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"LLM({keyword}=...) has unknown keys {sorted(unknown)}")
+    return cls(**d)
+
+
 def hf_get(hf_config, *names, default=None):
     """First attribute present among names: transformers 4 and 5 spell some keys differently."""
     for name in names:

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from deepinfer import _C
-from deepinfer.config import EngineConfig, hf_get
+from deepinfer.config import EngineConfig, dataclass_from_dict, hf_get
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.layers.moe import RoutedMoE
 
@@ -51,11 +51,7 @@ class DPConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "DPConfig":
-        d = dict(d or {})
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"LLM(dp_config=...) has unknown keys {sorted(unknown)}")
-        cfg = cls(**d)
+        cfg = dataclass_from_dict(cls, d, "dp_config")
         for name in ("prefill_attempt_interval", "prefill_any_attempt_interval", "poll_ms"):
             value = getattr(cfg, name)
             if not isinstance(value, int) or value < 1:

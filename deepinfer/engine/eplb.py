@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.config import dataclass_from_dict
 from eplb.placement import ExpertPlacement, identity_phy2log, load_plan, moe_lb_total, rearrange
 from eplb.policy import rebalance_experts
 from eplb.stats import ExpertLoadRecorder
@@ -27,11 +28,7 @@ class EplbConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "EplbConfig":
-        d = dict(d or {})
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"LLM(eplb_config=...) has unknown keys {sorted(unknown)}")
-        cfg = cls(**d)
+        cfg = dataclass_from_dict(cls, d, "eplb_config")
         for name in cls.__dataclass_fields__:
             value = getattr(cfg, name)
             if not isinstance(value, int) or value < (0 if name == "num_redundant_experts" else 1):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer import _C
+from deepinfer.config import dataclass_from_dict
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.spec.drafters import NgramDrafter, ReplayDrafter, check_proposal
 from deepinfer.spec.verify import verify_sequence
@@ -33,10 +34,7 @@ class SpecConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpecConfig":
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"LLM(speculative=...) has unknown keys {sorted(unknown)}")
-        cfg = cls(**d)
+        cfg = dataclass_from_dict(cls, d, "speculative")
         if cfg.method not in ("ngram", "replay", "mtp"):
             raise ValueError(f"LLM(speculative={{'method': {cfg.method!r}}}) must be mtp, ngram or replay")
         if not isinstance(cfg.num_draft_tokens, int) or not 1 <= cfg.num_draft_tokens <= 16:
