@@ -100,7 +100,7 @@ void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t
 }
 
 void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2, float* y, float* scratch,
-                        int64_t M, int64_t H, int64_t I, int num_threads) {
+                        int64_t M, int64_t H, int64_t I, float limit, int num_threads) {
   gemm_bf16(x, w13, scratch, M, H, 2 * I, num_threads);
   // scratch rows are [gate | up]; compact silu(gate) * up into the first I columns of each row
   // (row m's output lands on rows already consumed, so the compaction is safe in place).
@@ -108,7 +108,7 @@ void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2,
     float* row = scratch + m * 2 * I;
     float* act = scratch + m * I;
     for (int64_t i = 0; i < I; ++i) {
-      float g = row[i], u = row[I + i];
+      float g = std::min(row[i], limit), u = std::min(std::max(row[I + i], -limit), limit);
       act[i] = g / (1.0f + std::exp(-g)) * u;
     }
   }
@@ -116,7 +116,7 @@ void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2,
 }
 
 void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint16_t* w13,
-                          const uint16_t* w2, float* y, int64_t H, int64_t I, int num_threads) {
+                          const uint16_t* w2, float* y, int64_t H, int64_t I, float limit, int num_threads) {
   int64_t max_rows = 0;
   for (int64_t e = 0; e < num_experts; ++e) max_rows = std::max(max_rows, offsets[e + 1] - offsets[e]);
   std::vector<float> scratch(static_cast<size_t>(max_rows) * 2 * I);
@@ -124,7 +124,7 @@ void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_ex
     int64_t rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
     expert_swiglu_bf16(x + offsets[e] * H, w13 + e * 2 * I * H, w2 + e * H * I, y + offsets[e] * H,
-                       scratch.data(), rows, H, I, num_threads);
+                       scratch.data(), rows, H, I, limit, num_threads);
   }
 }
 

@@ -10,10 +10,11 @@ namespace deepinfer {
 void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
                int num_threads);
 
-// One SwiGLU expert group: y[M,H] = (silu(x w1^T) * (x w3^T)) w2^T with w13 = [w1; w3] as [2I, H]
-// bf16 and w2 [H, I] bf16. scratch must hold M * 2I floats.
+// One SwiGLU expert group: y[M,H] = (silu(min(g, limit)) * clamp(u, -limit, limit)) w2^T with
+// [g | u] = x w13^T, w13 = [w1; w3] as [2I, H] bf16 and w2 [H, I] bf16 (limit = +inf: plain SwiGLU,
+// finite: DeepSeek-V4's swiglu_limit). scratch must hold M * 2I floats.
 void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2, float* y, float* scratch,
-                        int64_t M, int64_t H, int64_t I, int num_threads);
+                        int64_t M, int64_t H, int64_t I, float limit, int num_threads);
 
 }  // namespace deepinfer
 
@@ -22,6 +23,6 @@ namespace deepinfer {
 // All experts of one MoE layer: rows [offsets[e], offsets[e+1]) of x (sorted by expert) go through
 // expert e. w13 [E, 2I, H] and w2 [E, H, I] bf16; x, y [S, H] fp32.
 void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint16_t* w13,
-                          const uint16_t* w2, float* y, int64_t H, int64_t I, int num_threads);
+                          const uint16_t* w2, float* y, int64_t H, int64_t I, float limit, int num_threads);
 
 }  // namespace deepinfer

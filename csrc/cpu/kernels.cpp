@@ -21,11 +21,11 @@ void bind_cpu_kernels(py::module_& m) {
   m.def(
       "grouped_experts_bf16",
       [](uintptr_t x, uintptr_t offsets, int64_t E, uintptr_t w13, uintptr_t w2, uintptr_t y, int64_t H, int64_t I,
-         int threads) {
+         float limit, int threads) {
         grouped_experts_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<const int64_t*>(offsets), E,
                              reinterpret_cast<const uint16_t*>(w13), reinterpret_cast<const uint16_t*>(w2),
-                             reinterpret_cast<float*>(y), H, I, threads);
+                             reinterpret_cast<float*>(y), H, I, limit, threads);
       },
       py::call_guard<py::gil_scoped_release>(),
-      "y[S,H] fp32: rows offsets[e]..offsets[e+1] of x [S,H] through SwiGLU expert e (w13 [E,2I,H], w2 [E,H,I] bf16)");
+      "y[S,H] fp32: rows offsets[e]..offsets[e+1] of x [S,H] through SwiGLU expert e (w13 [E,2I,H], w2 [E,H,I] bf16), gate and up clamped at limit");
 }

@@ -129,7 +129,7 @@ def shard_experts(experts: nn.Module, slots: range) -> nn.Module:
     idx = torch.tensor(list(slots))
     if isinstance(experts, FusedMoE):
         E, two_i, H = experts.gate_up_proj.shape
-        local = FusedMoE(len(slots), H, two_i // 2, experts.gate_up_proj.dtype)
+        local = FusedMoE(len(slots), H, two_i // 2, experts.gate_up_proj.dtype, experts.limit)
     else:  # same class and settings, own parameter dict (the full module's tensors are dropped)
         local = copy.copy(experts)
         local._parameters = dict(experts._parameters)

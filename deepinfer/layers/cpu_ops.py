@@ -33,9 +33,11 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         limit: float = float("inf")) -> torch.Tensor:
     """x [S, H] fp32 rows sorted by expert; counts [E] rows per expert; w13 [E, 2I, H] bf16 (gate
-    rows, then up); w2 [E, H, I] bf16 -> [S, H] fp32, each row through its expert's SwiGLU."""
+    rows, then up); w2 [E, H, I] bf16 -> [S, H] fp32, each row through its expert's SwiGLU with
+    gate <= limit and |up| <= limit (swiglu_limit; inf: none)."""
     _check(x, "x", torch.float32, 2)
     _check(w13, "w13", torch.bfloat16, 3)
     _check(w2, "w2", torch.bfloat16, 3)
@@ -47,5 +49,5 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     torch.cumsum(counts, 0, out=offsets[1:])
     y = torch.empty_like(x)
     _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, w13.data_ptr(), w2.data_ptr(), y.data_ptr(),
-                            h, two_i // 2, torch.get_num_threads())
+                            h, two_i // 2, float(limit), torch.get_num_threads())
     return y

@@ -8,11 +8,14 @@ from deepinfer.layers.cpu_ops import grouped_experts_bf16
 
 
 class FusedMoE(nn.Module):
-    """num_experts SwiGLU experts. gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """num_experts SwiGLU experts. gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+    limit: DeepSeek-V4's swiglu_limit (gate clamped above, up clamped both ways); None for none.
+    Expert outputs are computed and summed in fp32."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 limit: float | None = None):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.limit = num_experts, limit
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
@@ -25,9 +28,9 @@ class FusedMoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         token_idx = order // k
-        rows = self._run_experts(x[token_idx], counts)
-        rows *= topk_weights.flatten()[order, None].to(rows.dtype)
-        return torch.zeros_like(x).index_add_(0, token_idx, rows.to(x.dtype))
+        rows = self._run_experts(x[token_idx].float(), counts)
+        rows *= topk_weights.flatten()[order, None].float()
+        return torch.zeros(x.shape).index_add_(0, token_idx, rows).to(x.dtype)
 
     def to_physical(self, phy2log: torch.Tensor) -> None:
         """Lays the logical experts out as physical slots: slot s holds expert phy2log[s] ([R])."""
@@ -42,16 +45,18 @@ class FusedMoE(nn.Module):
         return {"gate_up_proj": self.gate_up_proj.data, "down_proj": self.down_proj.data}
 
     def _run_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """grouped [S, H] rows sorted by expert, counts [E] -> [S, H] expert outputs."""
+        """grouped [S, H] fp32 rows sorted by expert, counts [E] -> [S, H] fp32 expert outputs."""
+        limit = float("inf") if self.limit is None else self.limit
         if self.gate_up_proj.dtype == torch.bfloat16:
-            return grouped_experts_bf16(grouped.float().contiguous(), counts, self.gate_up_proj, self.down_proj)
+            return grouped_experts_bf16(grouped.contiguous(), counts, self.gate_up_proj, self.down_proj, limit)
         out = torch.empty_like(grouped)
         start = 0
         for expert, count in enumerate(counts.tolist()):
             end = start + count
             if count:
-                gate, up = F.linear(grouped[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)
-                out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+                gate, up = F.linear(grouped[start:end], self.gate_up_proj[expert].float()).chunk(2, dim=-1)
+                act = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+                out[start:end] = F.linear(act, self.down_proj[expert].float())
             start = end
         return out
 

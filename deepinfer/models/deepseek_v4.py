@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer import _C
 from deepinfer.engine.cache_spec import CacheSpec, CacheTensor
 from deepinfer.layers import fp4
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.layers.hyper_connection import HyperConnection, HyperHead, hc_merge
+from deepinfer.layers.moe import FusedMoE
 from deepinfer.layers.v4_attention import EntryPool, Linear, RMSNorm, Rope, V4Attention, _param, linear
 from deepinfer.models.weights import WeightLoader
 
@@ -119,66 +119,6 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-_gemm_bf16 = getattr(_C, "gemm_bf16", None)  # C++ AVX2 kernel: fp32 rows x bf16 weights, fp32 out
-
-
-def matmul_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out [M, N] = x [M, K] @ w [N, K]^T; x and out fp32 contiguous (row slices of one buffer), so a
-    bf16 weight goes straight to the kernel without per-call casts or allocations."""
-    if w.dtype == torch.bfloat16 and _gemm_bf16 is not None:
-        _gemm_bf16(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], w.shape[0],
-                   torch.get_num_threads())
-    else:
-        torch.matmul(x, w.to(x.dtype).t(), out=out)
-
-
-class Experts(nn.Module):
-    """Routed experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]. Tokens are grouped by
-    expert with one sort; each active expert runs one matmul per projection over its group, and the
-    clamped SwiGLU runs once over all groups. Activations stay fp32 in here."""
-
-    def __init__(self, n_experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype):
-        super().__init__()
-        self.n_experts, self.limit = n_experts, limit
-        self.gate_up_proj = _param(n_experts, 2 * inter, hidden, dtype=dtype)
-        self.gate_up_proj.shard_sizes = [inter, inter]
-        self.down_proj = _param(n_experts, hidden, inter, dtype=dtype)
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, k] -> [T, H] = sum_k weight * expert_k(x)."""
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        token = order // k
-        rows = x[token].float()
-        groups, start = [], 0
-        for e, count in enumerate(counts):
-            if count:
-                groups.append((e, start, start + count))
-                start += count
-        h = torch.empty(rows.shape[0], self.gate_up_proj.shape[1])
-        self._grouped(rows, self.gate_up_proj, h, groups)
-        act = swiglu_clamped(*h.chunk(2, dim=-1), self.limit).contiguous()
-        out = torch.empty_like(rows)
-        self._grouped(act, self.down_proj, out, groups)
-        out *= weights.flatten()[order, None].float()
-        return torch.zeros(x.shape, dtype=out.dtype).index_add_(0, token, out).to(x.dtype)
-
-    @staticmethod
-    def _grouped(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups) -> None:
-        """out[a:b] = x[a:b] @ w[e]^T for each (e, a, b); x, out fp32 contiguous, w [E, N, K]. bf16 weights
-        go to the kernel by pointer arithmetic (no per-expert tensor views: decode runs ~50 experts/layer)."""
-        if w.dtype != torch.bfloat16 or _gemm_bf16 is None:
-            for e, a, b in groups:
-                matmul_into(x[a:b], w[e], out[a:b])
-            return
-        n, k = w.shape[1], w.shape[2]
-        xp, wp, op, threads = x.data_ptr(), w.data_ptr(), out.data_ptr(), torch.get_num_threads()
-        for e, a, b in groups:
-            _gemm_bf16(xp + a * k * 4, wp + e * n * k * 2, op + a * n * 4, b - a, k, n, threads)
-
-
 class SharedExpert(nn.Module):
     def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype):
         super().__init__()
@@ -196,7 +136,8 @@ class MoE(nn.Module):
         super().__init__()
         inter = cfg.moe_intermediate_size  # the shared expert is one MLP of this width, as the reference
         self.gate = Router(cfg, is_hash, dtype)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, inter, cfg.swiglu_limit, dtype)
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, inter, dtype, limit=cfg.swiglu_limit)
+        self.experts.gate_up_proj.shard_sizes = [inter, inter]
         self.shared_experts = SharedExpert(cfg.hidden_size, inter, cfg.swiglu_limit, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
