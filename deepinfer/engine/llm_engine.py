@@ -137,8 +137,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
-        limits = _C.SamplingLimits(params.max_tokens or self.config.max_model_len, params.min_tokens,
-                                   params.ignore_eos, params.stop_token_ids)
+        limits = self._limits(params)
         seq_ids = []
         for index in range(params.n):
             seq_id = next(self._seq_counter)
@@ -148,6 +147,11 @@ class LLMEngine:
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seq_ids, metrics)
+
+    def _limits(self, params: SamplingParams):
+        """What the C++ output processing needs to stop a sequence."""
+        return _C.SamplingLimits(params.max_tokens or self.config.max_model_len, params.min_tokens,
+                                 params.ignore_eos, params.stop_token_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -259,7 +263,7 @@ class LLMEngine:
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, True, req.metrics)
 
     def _completion(self, state: SeqState) -> CompletionOutput:
-        if state.stop_reason is None or not isinstance(state.stop_reason, str):
+        if not isinstance(state.stop_reason, str):  # a stop string already cut the text
             state.text = self._decode(state.token_ids, state.params.skip_special_tokens)
         for entry in state.logprobs:
             for tok, lp in entry.items():
@@ -294,10 +298,8 @@ class LLMEngine:
     def import_handoff(self, h: Handoff) -> bool:
         """COMPLETION: admits a prefilled sequence with its KV. False if the pools are full now."""
         p = h.params
-        limits = _C.SamplingLimits(p.max_tokens or self.config.max_model_len, p.min_tokens, p.ignore_eos,
-                                   p.stop_token_ids)
         seq_id = next(self._seq_counter)
-        if not self.scheduler.import_sequence(seq_id, h.token_ids, len(h.prompt_token_ids), limits):
+        if not self.scheduler.import_sequence(seq_id, h.token_ids, len(h.prompt_token_ids), self._limits(p)):
             return False
         seq = self.scheduler.sequence(seq_id)
         self.cache.load(list(seq.block_table), seq.state_slot, h.kv)

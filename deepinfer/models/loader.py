@@ -16,12 +16,14 @@ def load_model(path: str, dtype: torch.dtype):
     """path: an HF model directory, a .gguf file, or a directory holding one .gguf file.
     Returns (model in eval mode with weights loaded, hf_config)."""
     gguf_file = find_gguf(path)
-    hf_config = gguf_config(gguf_file) if gguf_file else hf_dir_config(path)
+    # Parsing a GGUF header (its token list) takes seconds: read it once for config and weights.
+    reader = _gguf_reader(gguf_file) if gguf_file else None
+    hf_config = gguf_config(gguf_file, reader) if gguf_file else hf_dir_config(path)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ValueError(f"{path}: config has no 'architectures' entry")
     model = get_model_class(archs[0])(hf_config, dtype)
-    weights = gguf_weights(gguf_file, hf_config) if gguf_file else safetensors_weights(path)
+    weights = gguf_weights(gguf_file, hf_config, reader) if gguf_file else safetensors_weights(path)
     with torch.no_grad():
         model.load_weights(weights)
     return model.eval(), hf_config
@@ -90,11 +92,11 @@ def _field(reader, key, file, default=None):
     return field.contents()
 
 
-def gguf_config(file: str):
+def gguf_config(file: str, reader=None):
     """A transformers LlamaConfig from GGUF metadata (only the llama architecture is mapped)."""
     from transformers import LlamaConfig
 
-    reader = _gguf_reader(file)
+    reader = reader or _gguf_reader(file)
     arch = _field(reader, "general.architecture", file)
     if arch != "llama":
         raise ValueError(f"{file}: GGUF architecture {arch!r} is not supported (llama only)")
@@ -127,10 +129,10 @@ _GGUF_NAMES = {
 }
 
 
-def gguf_weights(file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(file: str, hf_config, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    reader = _gguf_reader(file)
+    reader = reader or _gguf_reader(file)
     for tensor in reader.tensors:
         parts = tensor.name.split(".")
         if parts[0] == "rope_freqs":
