@@ -442,9 +442,13 @@ def test_cache_spec_layout_and_memory_plan():
     assert exact.paged["layers.1.csa_kv"].shape == (8, 32)  # 32 tokens / rate 4, head_dim
     assert exact.paged["layers.2.hca_kv"].shape == (2, 32)  # 32 tokens / rate 16
     assert exact.state["layers.0.swa_ring"].shape == (8 + 3, 32)  # window + max_backtracking
-    assert exact.state["layers.1.csa_overlap_kv"].shape == (4, 32)
-    assert exact.state["layers.2.hca_acc"] == CacheTensor((3, 32), torch.float32)  # online softmax
-    assert exact.state["layers.1.idx_buf_gate"].shape == (4, 64)
+    # raw rings: 2 windows of rate 4 (Ca of the previous, the current) + max_backtracking, Ca|Cb wide
+    assert exact.state["layers.1.csa_kv_ring"].shape == (2 * 4 + 3, 2 * 32)
+    assert exact.state["layers.1.idx_gate_ring"].shape == (2 * 4 + 3, 2 * 32)
+    # online softmax (max, sum, weighted sum) after each of the last max_backtracking positions
+    assert exact.state["layers.2.hca_acc"] == CacheTensor((3, 3, 32), torch.float32)
+    # 4 SWA rings, 2 CSA layers x (main, indexer) x (kv, gate) rings, 1 HCA accumulator ring; all fp32
+    assert exact.bytes_per_state_block == 4 * (4 * 11 * 32 + 2 * 2 * 2 * 11 * 64 + 3 * 3 * 32)
     assert quant.paged["layers.1.csa_kv"].shape == (8, 16) and quant.paged["layers.1.csa_kv_scale"].shape == (8, 2)
     assert quant.paged["layers.1.indexer_k_scale"].shape == (8, 1)
     assert quant.state == exact.state  # the state pool stays in the model dtype

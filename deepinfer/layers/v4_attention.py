@@ -17,10 +17,15 @@ Where things live:
   paged pool  compressed entries (CSA main KV, HCA KV, indexer keys): entry w of a sequence sits in block
               block_table[w // per_block] at row w % per_block, per_block = block_size / m. Exact (model
               dtype) or FP4 (NVFP4 main KV, MXFP4 indexer keys): quantised on write, dequantised on read.
-  state pool  per sequence: the SWA ring (position p at row p % ring_len) and the compression accumulators
-              (tokens of the unfinished window: kv and raw gate; for CSA the previous window's Ca half).
-Nothing reads a ring row or an accumulator row this sequence has not written in its current life (every
-read is bounded by positions), so a reused state slot needs no reset.
+  state pool  per sequence, every tensor a ring indexed by POSITION (row = position % its length):
+              the SWA ring (sliding_window + mb rows of K=V), the CSA and indexer compressors' raw rings
+              (2 * rate + mb rows of kv and raw gate: the previous window for its Ca half and the current
+              one), the HCA accumulator ring (mb rows: the online-softmax state after each position).
+              mb = max_backtracking = draft tokens + 1 (1 without speculation).
+Nothing reads a ring row this sequence has not written in its current life (every read is bounded by
+positions), so a reused state slot needs no reset. Because rows are keyed by position, rolling back
+rejected draft tokens is free: the scheduler shortens the sequence, and the rows those tokens wrote are
+either rewritten before anything reads them or never read (see write_ring).
 """
 import torch
 import torch.nn.functional as F
@@ -64,6 +69,23 @@ class Rope:
         """positions [N] -> cos, sin [N, rd/2] in dtype (the reference casts them to the activation dtype)."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+
+
+def write_ring(ring: torch.Tensor, slot: int, p0: int, values: torch.Tensor) -> None:
+    """ring [slots, L, ...]: store values [S, ...] of positions p0..p0+S-1 at rows position % L of `slot`
+    (only the last L can be read again).
+
+    Why a ring of L >= need + mb - 1 rows survives rollback, where a step starting at position p reads
+    the rows of positions p - need .. p - 1 (SWA: need = window - 1; CSA: 2 * rate - 1, the oldest source
+    of a window the step may close; HCA: 1) and mb = max_backtracking: the sequence never shrinks below
+    an accepted token, so every earlier step started at most at p - 1 and wrote positions below
+    p - 1 + mb, accepted or rejected. A row of position q >= p - need was last written by q itself unless
+    some step wrote q + k * L (k >= 1) >= p - need + L >= p + mb - 1: none did. Rows of positions >= p
+    (rejected drafts included) are rewritten by the step that reaches them before anything reads them,
+    as every read is bounded by the reading query's position."""
+    L, S = ring.shape[1], values.shape[0]
+    keep = max(0, S - L)
+    ring[slot, torch.arange(p0 + keep, p0 + S) % L] = values[keep:]
 
 
 def _param(*shape, dtype) -> nn.Parameter:
@@ -138,8 +160,12 @@ class Compressor(nn.Module):
     window w's Cb (2*rate slots, stride rate); window 0 has no Ca part (zero kv, -inf gate).
     Then RMSNorm and RoPE at the window's first source position w * rate.
 
-    State (per sequence): buf_kv/buf_gate [rate, width] hold the unfinished window's tokens (row = position
-    % rate, raw gate); CSA adds ov_kv/ov_gate [rate, dim], the Ca half of the last finished window.
+    State (per sequence, CSA): kv_ring / gate_ring [L, 2*dim], L = 2*rate + mb, the raw kv and gate of
+    position p at row p % L. The window closing at position (w+1)*rate - 1 is pooled from the rows of
+    positions (w-1)*rate .. (w+1)*rate - 1, which rolled-back drafts never clobber (write_ring: need is
+    2*rate - 1). An entry a rejected draft closed stays in the paged pool at index w, but queries read
+    entries w < (pos+1) // rate only, so none reads it before the accepted token at (w+1)*rate - 1
+    rewrites it (in its own step, before that step's reads).
     """
 
     def __init__(self, hidden_size: int, dim: int, rate: int, overlap: bool, eps: float, dtype: torch.dtype):
@@ -152,103 +178,89 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(dim, eps)
         self.rope: Rope | None = None
         self.pool: EntryPool | None = None
-        self.buf_kv = self.buf_gate = self.ov_kv = self.ov_gate = None
+        self.kv_ring = self.gate_ring = None  # state pool [slots, L, 2*dim]
 
-    def bind(self, pool: EntryPool, buf_kv, buf_gate, ov_kv=None, ov_gate=None) -> None:
-        self.pool, self.buf_kv, self.buf_gate, self.ov_kv, self.ov_gate = pool, buf_kv, buf_gate, ov_kv, ov_gate
+    def bind(self, pool: EntryPool, kv_ring: torch.Tensor, gate_ring: torch.Tensor) -> None:
+        self.pool, self.kv_ring, self.gate_ring = pool, kv_ring, gate_ring
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> kv, raw gate [T, width] (model dtype)."""
         return self.kv_proj(x), self.gate_proj(x)
 
-    def pool_windows(self, kv, gate_raw, prior_kv, prior_gate_raw, has_prior, window_ids) -> torch.Tensor:
-        """kv, gate_raw [n, rate, width]; prior_* [n, rate, dim] (CSA: Ca half of window w-1, raw gate);
-        has_prior [n] bool; window_ids [n] -> entries [n, dim] (normed, roped)."""
-        gate = gate_raw + self.position_bias  # fp32, as the reference
+    def pool_windows(self, kv, gate_raw, window_ids) -> torch.Tensor:
+        """kv, gate_raw [n, m, width] of windows window_ids [n] -> entries [n, dim] (normed, roped).
+        HCA: m = rate, the window's tokens. CSA: m = 2*rate, positions (w-1)*rate .. (w+1)*rate - 1: the
+        first rate rows give their Ca half (window 0 has none: those rows are ignored), the rest their Cb."""
+        r = self.rate
+        gate = gate_raw + self.position_bias.repeat(kv.shape[1] // r, 1)  # fp32, as the reference
         if self.overlap:
-            d = self.dim
-            prior_gate = (prior_gate_raw + self.position_bias[:, :d]).masked_fill(~has_prior[:, None, None],
-                                                                                  float("-inf"))
-            prior_kv = prior_kv.to(kv.dtype).masked_fill(~has_prior[:, None, None], 0.0)
-            kv = torch.cat([prior_kv, kv[..., d:]], dim=1)
-            gate = torch.cat([prior_gate, gate[..., d:]], dim=1)
+            d, first = self.dim, (window_ids == 0)[:, None, None]
+            kv = torch.cat([kv[:, :r, :d].masked_fill(first, 0.0), kv[:, r:, d:]], dim=1)
+            gate = torch.cat([gate[:, :r, :d].masked_fill(first, float("-inf")), gate[:, r:, d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
         entries = self.kv_norm(pooled)
         cos, sin = self.rope(window_ids * self.rate, entries.dtype)
         return apply_rope(entries, cos, sin)
 
     def prefill_update(self, kv, gate, p0: int, slot: int, block_table: torch.Tensor, emit: bool = True) -> None:
-        """One sequence's new tokens at positions p0.. (kv, gate [S, width]): emit every window they close
+        """One sequence's S new tokens at positions p0.. (kv, gate [S, 2*dim]): emit every window they close
         into the paged pool (unless `emit` is False: replay keeps the exact entries already there), then
-        keep the unfinished tail and the last Ca half in the state slot."""
+        keep them in the ring."""
         r = self.rate
-        held = p0 % r
-        if held:
-            old_kv, old_gate = self.buf_kv[slot, :held], self.buf_gate[slot, :held]
-            if not emit:  # replay: the unfinished window started before the replayed span; never read it
-                old_kv, old_gate = torch.zeros_like(old_kv), torch.zeros_like(old_gate)
-            kv, gate = torch.cat([old_kv, kv]), torch.cat([old_gate, gate])
-        n = kv.shape[0] // r
-        if n:
-            w0 = (p0 - held) // r
-            chunk_kv, chunk_gate = kv[: n * r].view(n, r, -1), gate[: n * r].view(n, r, -1)
-            if emit:
-                self._emit(chunk_kv, chunk_gate, w0, slot, block_table)
-            if self.overlap:
-                self.ov_kv[slot] = chunk_kv[-1, :, : self.dim]
-                self.ov_gate[slot] = chunk_gate[-1, :, : self.dim]
-        tail = kv.shape[0] - n * r
-        if tail:
-            self.buf_kv[slot, :tail] = kv[n * r:]
-            self.buf_gate[slot, :tail] = gate[n * r:]
-
-    def _emit(self, chunk_kv, chunk_gate, w0: int, slot: int, block_table: torch.Tensor) -> None:
-        n = chunk_kv.shape[0]
-        window_ids = torch.arange(w0, w0 + n)
-        prior_kv = prior_gate = has_prior = None
-        if self.overlap:
-            d = self.dim
-            first_kv = self.ov_kv[slot].unsqueeze(0) if w0 > 0 else torch.zeros_like(chunk_kv[:1, :, :d])
-            first_gate = self.ov_gate[slot].unsqueeze(0) if w0 > 0 else torch.zeros_like(chunk_gate[:1, :, :d])
-            prior_kv = torch.cat([first_kv, chunk_kv[:-1, :, :d]])
-            prior_gate = torch.cat([first_gate, chunk_gate[:-1, :, :d]])
-            has_prior = window_ids > 0
-        entries = self.pool_windows(chunk_kv, chunk_gate, prior_kv, prior_gate, has_prior, window_ids)
-        self.pool.write(self.pool.rows(block_table[None], window_ids[None])[0], entries)
+        w0, w1 = p0 // r, (p0 + kv.shape[0]) // r  # the windows this chunk closes
+        if emit and w1 > w0:
+            # their sources before p0 (window 0's Ca rows hold no position: pool_windows ignores them)
+            held = torch.arange((w0 - 1) * r, p0) % self.kv_ring.shape[1]
+            ids = torch.arange(w0, w1)
+            span_kv = torch.cat([self.kv_ring[slot, held], kv[: w1 * r - p0]])
+            span_gate = torch.cat([self.gate_ring[slot, held], gate[: w1 * r - p0]])
+            entries = self.pool_windows(_window_pairs(span_kv, r), _window_pairs(span_gate, r), ids)
+            self._store(entries, block_table.expand(len(ids), -1), ids)
+        write_ring(self.kv_ring, slot, p0, kv)
+        write_ring(self.gate_ring, slot, p0, gate)
 
     def decode_update(self, kv, gate, positions, slots, block_tables) -> None:
-        """One token per sequence (kv, gate [B, width], positions/slots [B]): buffer it; sequences whose
+        """One token per sequence (kv, gate [B, 2*dim], positions/slots [B]): into the ring; sequences whose
         token closes a window emit that entry."""
-        r = self.rate
-        col = positions % r
-        self.buf_kv[slots, col] = kv
-        self.buf_gate[slots, col] = gate
-        done = (col == r - 1).nonzero().flatten()
+        r, L = self.rate, self.kv_ring.shape[1]
+        self.kv_ring[slots, positions % L] = kv
+        self.gate_ring[slots, positions % L] = gate
+        done = ((positions + 1) % r == 0).nonzero().flatten()
         if done.numel() == 0:
             return
-        s = slots[done]
-        window_ids = positions[done] // r
-        chunk_kv, chunk_gate = self.buf_kv[s], self.buf_gate[s]
-        prior_kv = prior_gate = has_prior = None
-        if self.overlap:
-            prior_kv, prior_gate, has_prior = self.ov_kv[s], self.ov_gate[s], window_ids > 0
-            self.ov_kv[s] = chunk_kv[:, :, : self.dim]
-            self.ov_gate[s] = chunk_gate[:, :, : self.dim]
-        entries = self.pool_windows(chunk_kv, chunk_gate, prior_kv, prior_gate, has_prior, window_ids)
-        self.pool.write(self.pool.rows(block_tables[done], window_ids[:, None])[:, 0], entries)
+        ids = positions[done] // r
+        rows = ((ids[:, None] - 1) * r + torch.arange(2 * r)) % L  # [n, 2r]: the window's sources
+        s = slots[done, None]
+        self._store(self.pool_windows(self.kv_ring[s, rows], self.gate_ring[s, rows], ids), block_tables[done], ids)
+
+    def _store(self, entries: torch.Tensor, block_tables: torch.Tensor, window_ids: torch.Tensor) -> None:
+        """entries [n, dim] of windows window_ids [n] of the sequences with block_tables [n, M]."""
+        self.pool.write(self.pool.rows(block_tables, window_ids[:, None])[:, 0], entries)
+
+
+def _window_pairs(span: torch.Tensor, rate: int) -> torch.Tensor:
+    """span [(n+1)*rate, width] of consecutive windows -> [n, 2*rate, width]: each window after the first
+    preceded by the one before it (CSA's Ca + Cb sources)."""
+    windows = span.view(-1, rate, span.shape[-1])
+    return torch.cat([windows[:-1], windows[1:]], dim=1)
 
 
 class HCACompressor(Compressor):
     """HCA compressor (no overlap, rate m' = 128) whose unfinished window is kept as an online-softmax
     accumulator instead of its raw tokens: per channel the running max of gate + bias, the running sum of
-    exp(gate + bias - max) and of kv * exp(...), all fp32, state acc [3, D] (1.5 KB at D = 128 instead of
-    2 * m' * D model-dtype values: 64 KB in bf16). Windows that a single prefill covers are pooled exactly
-    as the reference; a window spanning steps is pooled online, which equals the reference's softmax up to
-    fp32 rounding."""
+    exp(gate + bias - max) and of kv * exp(...), all fp32, [3, D] (1.5 KB at D = 128 instead of 2 * m' * D
+    model-dtype values: 64 KB in bf16). Windows that a single prefill covers are pooled exactly as the
+    reference; a window spanning steps is pooled online, which equals the reference's softmax up to fp32
+    rounding.
+
+    State (per sequence): acc [mb, 3, D], row p % mb = the accumulator after position p (over p's window up
+    to p). A step starting at position p resumes from row (p - 1) % mb unless p starts a window; after a
+    verify step the next one may start after any of its last mb positions, so every step records them all
+    (write_ring: need is 1, L = mb)."""
 
     def __init__(self, hidden_size: int, dim: int, rate: int, eps: float, dtype: torch.dtype):
         super().__init__(hidden_size, dim, rate, False, eps, dtype)
-        self.acc: torch.Tensor | None = None  # state pool [slots, 3, D] fp32: max, denominator, numerator
+        self.acc: torch.Tensor | None = None  # state pool [slots, mb, 3, D] fp32: max, denominator, numerator
 
     def bind(self, pool: EntryPool, acc: torch.Tensor) -> None:
         self.pool, self.acc = pool, acc
@@ -278,46 +290,60 @@ class HCACompressor(Compressor):
         return apply_rope(entries, cos, sin)
 
     def prefill_update(self, kv, gate, p0: int, slot: int, block_table: torch.Tensor, emit: bool = True) -> None:
-        r, S = self.rate, kv.shape[0]
-        held = p0 % r
-        logit = gate + self.position_bias[(torch.arange(p0, p0 + S) % r)]
-        head = min(S, r - held) if held else 0
-        if head:  # the window this sequence left unfinished
-            acc = self.acc[slot] if emit else self.empty()  # replay: it began before the span; unused
-            acc = self.merge(acc, kv[:head], logit[:head])
-            if held + head == r:
-                if emit:
-                    self._write(self.finish(acc[None], torch.tensor([p0 // r]), kv.dtype), p0 // r, block_table)
-            else:
-                self.acc[slot] = acc
-                return
-        n = (S - head) // r
-        if n:  # whole windows: pooled exactly as the reference
-            w0 = (p0 + head) // r
-            body = slice(head, head + n * r)
-            chunk_kv, chunk_gate = kv[body].view(n, r, -1), gate[body].view(n, r, -1)
-            if emit:
-                ids = torch.arange(w0, w0 + n)
-                self._write(self.pool_windows(chunk_kv, chunk_gate, None, None, None, ids), w0, block_table)
-        tail = slice(head + n * r, S)
-        self.acc[slot] = self.merge(self.empty(), kv[tail], logit[tail])
+        """One sequence's S new tokens at positions p0.. (kv, gate [S, D]): emit the windows they close
+        (unless `emit` is False: replay), record the accumulators of the last min(S, mb) positions."""
+        logit = gate + self.position_bias[torch.arange(p0, p0 + kv.shape[0]) % self.rate]
+        # the window this sequence left unfinished (replay: it began before the span; nothing reads it again)
+        prev = self.acc[slot, (p0 - 1) % self.acc.shape[1]] if emit and p0 % self.rate else self.empty()
+        if emit:
+            self._emit_chunk(kv, gate, logit, prev, p0, block_table)
+        self._record(kv, logit, prev, p0, slot)
 
-    def _write(self, entries: torch.Tensor, w0: int, block_table: torch.Tensor) -> None:
-        ids = torch.arange(w0, w0 + entries.shape[0])
-        self.pool.write(self.pool.rows(block_table[None], ids[None])[0], entries)
+    def _emit_chunk(self, kv, gate, logit, prev, p0: int, block_table: torch.Tensor) -> None:
+        """The windows tokens p0.. close: the one begun before p0 online from `prev`, whole ones exactly."""
+        r, S = self.rate, kv.shape[0]
+        w0, w1 = p0 // r, (p0 + S) // r
+        if w1 == w0:
+            return
+        head = -p0 % r  # tokens that finish the window this sequence left unfinished
+        parts = []
+        if head:
+            parts.append(self.finish(self.merge(prev, kv[:head], logit[:head])[None], torch.tensor([w0]), kv.dtype))
+        n = w1 - w0 - (1 if head else 0)
+        if n:
+            body = slice(head, head + n * r)
+            ids = torch.arange(w1 - n, w1)
+            parts.append(self.pool_windows(kv[body].view(n, r, -1), gate[body].view(n, r, -1), ids))
+        ids = torch.arange(w0, w1)
+        self._store(torch.cat(parts), block_table.expand(len(ids), -1), ids)
+
+    def _record(self, kv, logit, prev, p0: int, slot: int) -> None:
+        """Accumulators after each of the last m = min(S, mb) positions -> ring: the tokens of the first
+        one's window before it merged at once, then the m tokens one at a time (so a verify step, S <= mb,
+        merges exactly as that many decode steps would)."""
+        r, S = self.rate, kv.shape[0]
+        q = p0 + S - min(S, self.acc.shape[1])  # first recorded position
+        ws = max(q - q % r, p0)  # the first token of q's window in this chunk
+        acc = self.merge(prev if ws == p0 else self.empty(), kv[ws - p0:q - p0], logit[ws - p0:q - p0])
+        out = []
+        for t in range(q - p0, S):
+            if (p0 + t) % r == 0:
+                acc = self.empty()
+            acc = self.merge(acc, kv[t:t + 1], logit[t:t + 1])
+            out.append(acc)
+        write_ring(self.acc, slot, q, torch.stack(out))
 
     def decode_update(self, kv, gate, positions, slots, block_tables) -> None:
-        r = self.rate
+        r, mb = self.rate, self.acc.shape[1]
         col = positions % r
-        acc = self.acc[slots]
+        acc = self.acc[slots, (positions - 1) % mb]
         acc = torch.where((col == 0)[:, None, None], self.empty(len(slots)), acc)  # a new window starts
         acc = self.merge(acc, kv[:, None], (gate + self.position_bias[col])[:, None])
-        self.acc[slots] = acc
+        self.acc[slots, positions % mb] = acc
         done = (col == r - 1).nonzero().flatten()
         if done.numel():
-            window_ids = positions[done] // r
-            entries = self.finish(acc[done], window_ids, kv.dtype)
-            self.pool.write(self.pool.rows(block_tables[done], window_ids[:, None])[:, 0], entries)
+            ids = positions[done] // r
+            self._store(self.finish(acc[done], ids, kv.dtype), block_tables[done], ids)
 
 
 class IndexerScorer(nn.Module):
@@ -421,7 +447,10 @@ class V4Attention(nn.Module):
         comp = ()
         if self.compressor is not None:
             comp = (self.compressor.project(x), self.indexer.project(x) if self.indexer else None)
-        if meta.is_prefill:
+        if meta.is_prefill or meta.max_query_len > 1:  # verify steps too: any chunk appended at ctx - S
+            if not meta.is_prefill and meta.max_query_len > self.ring.shape[1] - self.window:
+                raise ValueError(f"a verify step of {meta.max_query_len} tokens could not be rolled back: the "
+                                 "model's max_backtracking must be at least that before cache_spec()")
             out = torch.cat([self._prefill_seq(i, q, kv, x, q_res, cos, sin, comp, meta, replay_start)
                              for i in range(meta.num_seqs)])
         else:
@@ -437,7 +466,7 @@ class V4Attention(nn.Module):
         mixed = torch.cat([linear(grouped[:, g], w[g]) for g in range(self.groups)], dim=-1)  # [T, G*R]
         return self.o_b_proj(mixed)
 
-    # ---- prefill: one sequence at a time, dense tiles over its keys --------------------------------------
+    # ---- prefill and verify: one sequence at a time, dense tiles over its keys ---------------------------
 
     def _prefill_seq(self, i, q, kv, x, q_res, cos, sin, comp, meta, replay_start):
         a, b = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
@@ -447,17 +476,16 @@ class V4Attention(nn.Module):
         entries = visible = None
         if self.compressor is not None:
             entries, visible = self._prefill_compressed(a, b, p0, ctx, slot, table, pos, x, q_res, cos, sin,
-                                                        comp, replay_start is None)
+                                                        comp, replay_start is None, meta.is_prefill)
         lo = max(0, p0 - self.window + 1, replay_start or 0)
-        ring_len = self.ring.shape[1]
-        prev_pos = torch.arange(lo, p0)
-        keys = torch.cat([self.ring[slot, prev_pos % ring_len], kv[a:b]])
+        # ring_len = window + mb rows, window - 1 of them read before p0: rolled-back drafts never
+        # clobber those (write_ring); this chunk's own keys come from kv, not from the ring
+        keys = torch.cat([self.ring[slot, torch.arange(lo, p0) % self.ring.shape[1]], kv[a:b]])
         out = self._attend_tiles(q[a:b], pos, keys, lo, entries, visible)
-        keep = slice(max(0, S - ring_len), S)  # only the last ring_len tokens can be read again
-        self.ring[slot, pos[keep] % ring_len] = kv[a:b][keep]
+        write_ring(self.ring, slot, p0, kv[a:b])
         return out
 
-    def _prefill_compressed(self, a, b, p0, ctx, slot, table, pos, x, q_res, cos, sin, comp, emit):
+    def _prefill_compressed(self, a, b, p0, ctx, slot, table, pos, x, q_res, cos, sin, comp, emit, prefill):
         """Write the windows this chunk closes, then return all of the sequence's entries [n, D] and which
         of them each query sees [S, n] (HCA: causal; CSA: the indexer's top-k)."""
         (ckv, cgate), idx_proj = comp
@@ -467,20 +495,31 @@ class V4Attention(nn.Module):
             return None, None
         w = torch.arange(n)
         entries = self.compressor.pool.read(self.compressor.pool.rows(table[None], w[None])[0])
-        visible = w[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
-        if self.indexer is not None:
-            ikv, igate = idx_proj
-            self.indexer.prefill_update(ikv[a:b], igate[a:b], p0, slot, table, emit)
-            keys = self.indexer.pool.read(self.indexer.pool.rows(table[None], w[None])[0])
-            chosen = torch.zeros_like(visible)
-            for c0 in range(0, b - a, PREFILL_QUERY_CHUNK):  # tiles bound the [C, Hi, n] score tensor
-                c1 = min(c0 + PREFILL_QUERY_CHUNK, b - a)
-                rows = slice(a + c0, a + c1)
-                scores = self.indexer.scores(q_res[rows], x[rows], cos[rows], sin[rows], keys)
-                idx, valid = self.indexer.select(scores, visible[c0:c1])
-                chosen[c0:c1].scatter_(1, idx, valid)
-            visible = chosen
-        return entries, visible
+        n_seen = (pos + 1) // self.compressor.rate
+        if self.indexer is None:
+            return entries, w[None, :] < n_seen[:, None]
+        ikv, igate = idx_proj
+        self.indexer.prefill_update(ikv[a:b], igate[a:b], p0, slot, table, emit)
+        keys = self.indexer.pool.read(self.indexer.pool.rows(table[None], w[None])[0])
+        return entries, self._indexer_chosen(a, x, q_res, cos, sin, keys, n_seen, prefill)
+
+    def _indexer_chosen(self, a, x, q_res, cos, sin, keys, n_seen, prefill) -> torch.Tensor:
+        """Which of the n entries (indexer keys [n, Di]) each of the queries a.. keeps -> [S, n]. Query j
+        ranks its n_seen[j] visible entries as the reference's prefill does, or, in a verify step, as the
+        decode steps the step stands for would (select_decode: ties fall differently)."""
+        S, n = len(n_seen), keys.shape[0]
+        chosen = torch.zeros(S, n, dtype=torch.bool)
+        for c0 in range(0, S, PREFILL_QUERY_CHUNK):  # tiles bound the [C, Hi, n] score tensor
+            c1 = min(c0 + PREFILL_QUERY_CHUNK, S)
+            rows = slice(a + c0, a + c1)
+            scores = self.indexer.scores(q_res[rows], x[rows], cos[rows], sin[rows], keys)
+            if prefill:
+                idx, valid = self.indexer.select(scores, torch.arange(n)[None, :] < n_seen[c0:c1, None])
+            else:
+                idx, valid = self.indexer.select_decode(scores, n_seen[c0:c1])
+            # counted, not scattered as bools: select_decode pads with invalid picks of entry 0
+            chosen[c0:c1] = torch.zeros(c1 - c0, n, dtype=torch.long).scatter_add_(1, idx, valid.long()) > 0
+        return chosen
 
     def _attend_tiles(self, q, pos, keys, lo, entries, visible) -> torch.Tensor:
         """q [S, H, D] at positions pos; keys [K, D] hold positions lo..; entries [n, D] seen per `visible`
@@ -522,7 +561,7 @@ class V4Attention(nn.Module):
     def _decode(self, q, kv, x, q_res, cos, sin, comp, meta) -> torch.Tensor:
         pos, slots, tables = meta.positions, meta.state_slots, meta.block_tables
         ring_len = self.ring.shape[1]
-        self.ring[slots, pos % ring_len] = kv
+        self.ring[slots, pos % ring_len] = kv  # the window's other rows outlive any rollback (write_ring)
         keys = [self.ring[slots]]  # [B, L, D]
         row_pos = pos[:, None] - (pos[:, None] - torch.arange(ring_len)[None, :]) % ring_len
         masks = [row_pos > pos[:, None] - self.window]  # row_pos <= pos always; >= 0 follows from the window

@@ -229,8 +229,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     # must be a multiple of lcm(compress rates): 128 for V4 (4 and 128). The instance attribute is computed
     # from the checkpoint's config; this class default is V4's.
     block_size_multiple = 128
-    # Extra SWA ring rows beyond the window so rejected draft tokens can be rolled back (draft tokens + 1).
-    # The engine may set it before cache_spec(); 1 when speculation is off.
+    # mb: draft tokens + 1 (1 when speculation is off), set by the engine before cache_spec(). Every state
+    # ring keeps mb rows more than a step reads, so rolling back rejected drafts is shortening the sequence
+    # (see v4_attention.write_ring).
     max_backtracking = 1
 
     def __init__(self, hf_config, dtype: torch.dtype = torch.float32):
@@ -273,18 +274,14 @@ class DeepseekV4ForCausalLM(nn.Module):
             r = self.rates[kind]
             main = "csa_kv" if kind == CSA else "hca_kv"
             self._entry_spec(spec, p + main, block_size // r, D, "nvfp4" if kv_cache_dtype == "fp4" else "auto")
-            if kind == HCA:  # online-softmax accumulator of the unfinished window (max, sum, weighted sum)
-                spec.state[p + "hca_acc"] = CacheTensor((3, D), torch.float32)
-            else:
-                spec.state[p + "csa_buf_kv"] = CacheTensor((r, 2 * D), dt)
-                spec.state[p + "csa_buf_gate"] = CacheTensor((r, 2 * D), dt)
-            if kind == CSA:
-                self._entry_spec(spec, p + "indexer_k", block_size // r, Di,
-                                 "mxfp4" if kv_cache_dtype == "fp4" else "auto")
-                spec.state[p + "csa_overlap_kv"] = CacheTensor((r, D), dt)
-                spec.state[p + "csa_overlap_gate"] = CacheTensor((r, D), dt)
-                for part, width in (("buf_kv", 2 * Di), ("buf_gate", 2 * Di), ("overlap_kv", Di), ("overlap_gate", Di)):
-                    spec.state[p + "idx_" + part] = CacheTensor((r, width), dt)
+            if kind == HCA:  # online-softmax accumulator after each of the last mb positions (max, sum, weighted sum)
+                spec.state[p + "hca_acc"] = CacheTensor((self.max_backtracking, 3, D), torch.float32)
+                continue
+            self._entry_spec(spec, p + "indexer_k", block_size // r, Di, "mxfp4" if kv_cache_dtype == "fp4" else "auto")
+            L = 2 * r + self.max_backtracking  # raw rings: the previous window (Ca), the current one, drafts
+            for part, width in (("csa", D), ("idx", Di)):
+                spec.state[f"{p}{part}_kv_ring"] = CacheTensor((L, 2 * width), dt)
+                spec.state[f"{p}{part}_gate_ring"] = CacheTensor((L, 2 * width), dt)
         self.kv_cache_dtype = kv_cache_dtype
         return spec
 
@@ -310,10 +307,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             if attn.indexer is None:
                 attn.compressor.bind(pool, state[p + "hca_acc"])
                 continue
-            attn.compressor.bind(pool, state[p + "csa_buf_kv"], state[p + "csa_buf_gate"],
-                                 state[p + "csa_overlap_kv"], state[p + "csa_overlap_gate"])
-            attn.indexer.bind(self._entry_pool(paged, p + "indexer_k", "mxfp4"), state[p + "idx_buf_kv"],
-                              state[p + "idx_buf_gate"], state[p + "idx_overlap_kv"], state[p + "idx_overlap_gate"])
+            attn.compressor.bind(pool, state[p + "csa_kv_ring"], state[p + "csa_gate_ring"])
+            attn.indexer.bind(self._entry_pool(paged, p + "indexer_k", "mxfp4"), state[p + "idx_kv_ring"],
+                              state[p + "idx_gate_ring"])
 
     def _entry_pool(self, paged, name: str, fp4_fmt: str) -> EntryPool:
         data = paged[name]
