@@ -165,10 +165,10 @@ def test_ngram_lookup_finds_the_latest_match():
     assert (conf == 0).all()
 
 
-def test_models_that_cannot_roll_back_drafts_refuse_speculation(tmp_path):
-    from test_deepseek_v4 import make_checkpoint
+def test_models_that_cannot_roll_back_drafts_refuse_speculation(tiny_llama, monkeypatch):
+    from deepinfer.models.llama import LlamaForCausalLM
 
-    make_checkpoint(tmp_path / "v4", seed=1)
+    monkeypatch.setattr(LlamaForCausalLM, "supports_draft_rollback", False)  # every model here can now
     with pytest.raises(ValueError, match="roll back"):
-        LLM(str(tmp_path / "v4"), dtype="float32", kv_cache_memory=16 << 20,
+        LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20,
             speculative={"method": "ngram", "num_draft_tokens": 2})

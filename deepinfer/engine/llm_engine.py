@@ -77,6 +77,8 @@ class LLMEngine:
         if config.block_size % self.model.block_size_multiple:
             raise ValueError(f"LLM(block_size={config.block_size}) must be a multiple of "
                              f"{self.model.block_size_multiple} for this model")
+        if config.speculative and hasattr(self.model, "max_backtracking"):  # state rings keep k + 1 rows to roll back
+            self.model.max_backtracking = SpecConfig.from_dict(config.speculative).num_draft_tokens + 1
         spec = self.model.cache_spec(config.block_size, config.kv_cache_dtype)
         self.cache = CacheEngine(spec, config.kv_cache_memory, config.max_num_seqs, config.block_size)
         self.model.bind_cache(self.cache.paged, self.cache.state)

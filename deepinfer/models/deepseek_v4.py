@@ -233,6 +233,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ring keeps mb rows more than a step reads, so rolling back rejected drafts is shortening the sequence
     # (see v4_attention.write_ring).
     max_backtracking = 1
+    supports_draft_rollback = True
 
     def __init__(self, hf_config, dtype: torch.dtype = torch.float32):
         super().__init__()

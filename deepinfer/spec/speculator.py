@@ -48,7 +48,7 @@ class Speculator:
     def __init__(self, cfg: SpecConfig, engine):
         if not getattr(engine.model, "supports_draft_rollback", False):
             raise ValueError(f"LLM(speculative=...): {type(engine.model).__name__} cannot roll back rejected "
-                             "drafts yet (its state pool's compression accumulators would keep them)")
+                             "drafts yet (state it keeps per sequence would keep them)")
         self.cfg, self.k = cfg, cfg.num_draft_tokens
         self.drafter = self._make_drafter(cfg, engine)
         self.varlen = _C.MTPVarlen(step_time_curve(engine, self.k))
