@@ -60,7 +60,8 @@ def sampling_case(B=8, V=300, seed=4):
     top_p = torch.tensor([1.0, 1.0, 0.8, 0.9, 1.0, 0.5, 0.95, 1.0])[:B]
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.1, 0.0, 0.0])[:B]
     seeds = torch.randint(0, 2 ** 62, (B,), generator=g)
-    return logits, temp, top_k, top_p, min_p, seeds, 17
+    offsets = torch.randint(0, 2 ** 40, (B,), generator=g)        # per row: tokens generated so far
+    return logits, temp, top_k, top_p, min_p, seeds, offsets
 
 
 def mask_case(B=3, V=70, seed=5):

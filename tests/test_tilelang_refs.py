@@ -8,6 +8,7 @@ import torch
 from deepinfer.layers.fp4 import dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4, quantize_nvfp4
 from test_tilelang_cases import (attention_case, kv_load_case, kv_store_case, mask_case, sampling_case,
                                  verify_case)
+from tilelang_ops import sampling
 from tilelang_ops.dispatch import get_op
 from tilelang_ops.kv_load import kv_load_ref
 from tilelang_ops.kv_store import kv_store_ref
@@ -159,12 +160,14 @@ def slow_sample_row(logits, temp, top_k, top_p, min_p, seed, offset):
     return tok
 
 
-def test_sample_ref_matches_loop():
+@pytest.mark.parametrize("first", [sampling.TOP_P_FIRST, 4])     # 4: top-p rows also take the full-sort path
+def test_sample_ref_matches_loop(first, monkeypatch):
+    monkeypatch.setattr(sampling, "TOP_P_FIRST", first)
     case = sampling_case()
     got = sample_ref(*case)
-    logits, temp, top_k, top_p, min_p, seeds, off = case
+    logits, temp, top_k, top_p, min_p, seeds, offsets = case
     want = [slow_sample_row(logits[b], float(temp[b]), int(top_k[b]), float(top_p[b]), float(min_p[b]),
-                            int(seeds[b]), off) for b in range(logits.shape[0])]
+                            int(seeds[b]), int(offsets[b]) & 0xFFFFFFFF) for b in range(logits.shape[0])]
     assert got.tolist() == want
     assert got[-1] == -1 and got[0] == logits[0].argmax()
     assert logits[4].topk(1).indices.item() == got[4]         # top_k 1 is greedy
@@ -175,8 +178,9 @@ def test_sample_seed_reproducible_and_distributed():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(4000, 1)
     ones = torch.ones(4000)
     args = (ones, torch.full((4000,), -1, dtype=torch.int32), ones, torch.zeros(4000))
-    toks = sample_ref(logits, *args, torch.arange(4000), 3)
-    assert torch.equal(toks, sample_ref(logits, *args, torch.arange(4000), 3))
+    offsets = torch.full((4000,), 3)
+    toks = sample_ref(logits, *args, torch.arange(4000), offsets)
+    assert torch.equal(toks, sample_ref(logits, *args, torch.arange(4000), offsets))
     freq = torch.bincount(toks, minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)  # Gumbel-max samples the softmax
 

@@ -88,7 +88,8 @@ def cases(dev):
     logits = torch.randn(B, V, device=dev, generator=g) * 3
     sargs = (logits, torch.rand(B, device=dev, generator=g) + 0.3, torch.randint(-1, 100, (B,), device=dev,
              generator=g).int(), torch.rand(B, device=dev, generator=g) * 0.5 + 0.5, torch.zeros(B, device=dev),
-             torch.randint(0, 2 ** 40, (B,), device=dev, generator=g), 5)
+             torch.randint(0, 2 ** 40, (B,), device=dev, generator=g),
+             torch.randint(0, 4096, (B,), device=dev, generator=g))
     out.append((f"sample B={B} V={V}", lambda: sampling.sample(*sargs), lambda: sampling.sample_ref(*sargs),
                 lambda a, b: (a != b).float().mean().item(), None, 0.02))  # fp32 sum order may flip a boundary
     mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (B, (V + 31) // 32), dtype=torch.int32, device=dev, generator=g)
