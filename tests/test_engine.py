@@ -58,6 +58,26 @@ def test_greedy_ignores_sampling_knobs_and_sampling_respects_top_k_1(qwen):
     assert top1 == greedy
 
 
+def test_sampling_goes_through_the_dispatch_point_with_documented_seeds(qwen, monkeypatch):
+    """The engine samples with tilelang_ops' "sample" op (the torch reference on the CPU): child i of a
+    seeded request draws with seed + i at offset = tokens it has generated so far."""
+    from tilelang_ops import sampling
+    ref, draws = sampling.sample_ref, {}
+
+    def spy(logits, temperature, top_k, top_p, min_p, seeds, offsets):
+        tokens = ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+        for s, o, t in zip(seeds.tolist(), offsets.tolist(), tokens.tolist()):
+            draws[s, o] = t
+        return tokens
+
+    monkeypatch.setattr(sampling, "sample_ref", spy)
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=77, n=2, max_tokens=4, ignore_eos=True)
+    out = qwen.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert sorted(draws) == [(77 + i, o) for i in range(2) for o in range(4)]
+    for c in out.outputs:
+        assert c.token_ids == [draws[77 + c.index, o] for o in range(4)]
+
+
 def test_logprobs_and_cumulative(qwen):
     out = qwen.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]

@@ -203,7 +203,8 @@ class LLMEngine:
             top_k=torch.tensor([x.top_k for x in p], dtype=torch.int64),
             top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32),
             min_p=torch.tensor([x.min_p for x in p], dtype=torch.float32),
-            generators=[s.generator for s in states],
+            seeds=[None if s.params.seed is None else s.params.seed + s.index for s in states],
+            offsets=torch.tensor([len(s.token_ids) for s in states], dtype=torch.int64),
             num_logprobs=max(logprobs) if logprobs else -1,
         )
 

@@ -1,30 +1,36 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p with per-request seeds, plus logprobs.
 
-A row whose logits are not finite gets token -1: output processing ends that request with
-finish_reason "error" and the rest of the batch carries on."""
+Sampled rows go through tilelang_ops' "sample" op (the TileLang kernel on CUDA, its torch reference on
+the CPU), so the CPU engine draws exactly what the kernel is checked against. A row whose logits are not
+finite gets token -1: output processing ends that request with finish_reason "error" and the rest of
+the batch carries on."""
 from dataclasses import dataclass
 
 import torch
+
+from tilelang_ops.dispatch import get_op
 
 
 @dataclass
 class SamplingBatch:
     """Per-row parameters of one step, B rows.
     temperature, top_p, min_p [B] fp32; top_k [B] int64 (<= 0 disables);
-    generators: per row a torch.Generator for seeded requests, else None (engine generator);
+    seeds: per row the request's seed + the sequence's index among its n, or None (a fresh engine draw);
+    offsets [B] int64: tokens the sequence has generated so far;
     num_logprobs: max top logprobs requested in the batch (-1: none)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
-    generators: list
+    seeds: list
+    offsets: torch.Tensor
     num_logprobs: int
 
     def row(self, i: int) -> "SamplingBatch":
         """The parameters of row i alone."""
         return SamplingBatch(self.temperature[i:i + 1], self.top_k[i:i + 1], self.top_p[i:i + 1],
-                             self.min_p[i:i + 1], [self.generators[i]], self.num_logprobs)
+                             self.min_p[i:i + 1], [self.seeds[i]], self.offsets[i:i + 1], self.num_logprobs)
 
     @property
     def all_greedy(self) -> bool:
@@ -46,6 +52,7 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
+        self.sample = get_op("sample")
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] fp32."""
@@ -57,17 +64,12 @@ class Sampler:
         return self._logprobs(logits, tokens, batch.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = batch.temperature == 0
-        scaled = logits / torch.where(greedy, 1.0, batch.temperature)[:, None]
-        probs = _filter(scaled, batch).softmax(-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p, and lets each
-        # seeded request use its own generator for its own row.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, gen in enumerate(batch.generators):
-            if gen is not None:
-                noise[row].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(-1)
-        return torch.where(greedy, logits.argmax(-1), sampled)
+        """A seeded row's draw depends only on (its seed, tokens generated so far), so a seeded request
+        reproduces whatever else shares the batch. Unseeded rows get a 63-bit seed from the engine
+        generator each step (the engine seed keeps whole runs reproducible). Greedy rows: argmax."""
+        drawn = torch.randint(2 ** 63 - 1, (len(batch.seeds),), generator=self.generator).tolist()
+        seeds = torch.tensor([d if s is None else _int64(s) for s, d in zip(batch.seeds, drawn)], dtype=torch.int64)
+        return self.sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, seeds, batch.offsets)
 
     @staticmethod
     def _logprobs(logits, tokens, n) -> SamplerOutput:
@@ -80,17 +82,6 @@ class Sampler:
         return SamplerOutput(tokens, token_logprob[:, 0], rank, top and top.indices, top and top.values)
 
 
-def _filter(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Masks tokens with -inf in vLLM's order: min-p on the full distribution, then top-k, then
-    top-p on what is left (renormalised). The most likely token always stays."""
-    sorted_logits, sorted_idx = scaled.sort(-1, descending=True)
-    sorted_probs = sorted_logits.softmax(-1)
-    rank = torch.arange(scaled.shape[-1])[None, :]
-    k = torch.where(batch.top_k > 0, batch.top_k, scaled.shape[-1])
-    drop = (rank >= k[:, None]) | (sorted_probs < batch.min_p[:, None] * sorted_probs[:, :1])
-    drop[:, 0] = False
-    kept = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    drop |= (kept.cumsum(-1) - kept) >= batch.top_p[:, None]
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scaled).scatter_(-1, sorted_idx, sorted_logits)
+def _int64(seed: int) -> int:
+    """Any Python int as the int64 with the same low 64 bits (the draw hashes those)."""
+    return (seed + 2 ** 63) % 2 ** 64 - 2 ** 63

@@ -7,13 +7,17 @@ without d. After the last accepted draft the target's own distribution gives the
 every emitted token is distributed exactly as the target's."""
 import torch
 
-from deepinfer.layers.sampler import SamplingBatch, _filter
+from deepinfer.layers.sampler import SamplingBatch
+from tilelang_ops.sampling import filter_ref
 
 
-def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] fp32 (rows with per-row parameters in batch) -> the sampler's distribution [N, V]."""
-    scaled = logits / torch.where(batch.temperature == 0, 1.0, batch.temperature)[:, None]
-    return _filter(scaled, batch).softmax(-1)
+def target_probs(logits: torch.Tensor, params_row: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] fp32, one row of parameters for all N -> the sampler's distribution [N, V]: softmax of
+    the scaled logits over the tokens the sampling op's filter keeps (its Gumbel-max draw samples exactly this)."""
+    n = logits.shape[0]
+    p = params_row
+    z, keep = filter_ref(logits, p.temperature.expand(n), p.top_k.expand(n), p.top_p.expand(n), p.min_p.expand(n))
+    return z.masked_fill(~keep, float("-inf")).softmax(-1)
 
 
 def verify_sequence(logits: torch.Tensor, drafts: list[int], params_row: SamplingBatch, generator,
@@ -28,9 +32,7 @@ def verify_sequence(logits: torch.Tensor, drafts: list[int], params_row: Samplin
         while accepted < len(drafts) and drafts[accepted] == target[accepted]:
             accepted += 1
         return drafts[:accepted] + [target[accepted]]
-    rows = len(drafts) + 1
-    expanded = _repeat(params_row, rows)
-    probs = target_probs(logits, expanded)
+    probs = target_probs(logits, params_row)
     gen = generator or engine_generator
     for j, d in enumerate(drafts):
         if torch.rand((), generator=gen) < probs[j, d]:
@@ -43,8 +45,3 @@ def verify_sequence(logits: torch.Tensor, drafts: list[int], params_row: Samplin
 
 def _draw(p: torch.Tensor, gen) -> int:
     return int(torch.multinomial(p / p.sum(), 1, generator=gen))
-
-
-def _repeat(b: SamplingBatch, n: int) -> SamplingBatch:
-    return SamplingBatch(b.temperature.expand(n), b.top_k.expand(n), b.top_p.expand(n), b.min_p.expand(n),
-                         [None] * n, -1)
