@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.layers import fp4
 from deepinfer.layers.hyper_connection import unweighted_rms_norm
 
 from deepinfer.layers.linear import linear  # bf16 weights -> C++ AVX2 GEMM (torch's bf16 matmul is ~8 GFLOP/s here)
+from tilelang_ops.dispatch import get_op
 
 PREFILL_QUERY_CHUNK = 256  # queries per dense attention tile in prefill: bounds the [H, C, K] score tile
 
@@ -123,6 +123,11 @@ class EntryPool:
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None, fmt: str, dtype: torch.dtype):
         self.data, self.scale, self.fmt, self.dtype = data, scale, fmt, dtype
         self.per_block = data.shape[1]
+        # FP4 store / load go through tilelang_ops' dispatch (kernel on CUDA, torch reference elsewhere).
+        # read() gets flat pool rows (callers resolve block tables with rows()), so to kv_load the pool is
+        # one sequence owning every block in order: its entry positions are the pool rows.
+        self.kv_store, self.kv_load = get_op("kv_store"), get_op("kv_load")
+        self.all_blocks = torch.arange(data.shape[0], device=data.device).view(1, -1)
 
     def rows(self, block_tables: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """block_tables [B, M], entry indices w [B, E] -> flat pool rows [B, E] (padding maps to row 0)."""
@@ -132,23 +137,18 @@ class EntryPool:
 
     def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """rows [N], values [N, D]."""
-        flat = self.data.view(-1, self.data.shape[-1])
         if self.fmt == "auto":
-            flat[rows] = values.to(flat.dtype)
+            self.data.view(-1, self.data.shape[-1])[rows] = values.to(self.data.dtype)
             return
-        packed, scales = fp4.quantize_nvfp4(values) if self.fmt == "nvfp4" else fp4.quantize_mxfp4(values)
-        flat[rows] = packed
-        self.scale.view(-1, self.scale.shape[-1])[rows] = scales
+        self.kv_store(values, rows, self.data, self.scale, self.fmt)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [...] -> entries [..., D] in the model dtype."""
-        flat = self.data.view(-1, self.data.shape[-1])
         if self.fmt == "auto":
-            return flat[rows]
-        scales = self.scale.view(-1, self.scale.shape[-1])[rows]
-        if self.fmt == "nvfp4":
-            return fp4.dequantize_nvfp4(flat[rows], scales, dtype=self.dtype)
-        return fp4.dequantize_mxfp4(flat[rows], scales, dtype=self.dtype)
+            return self.data.view(-1, self.data.shape[-1])[rows]
+        entries, _ = self.kv_load(self.data, self.scale, self.all_blocks, rows.reshape(1, -1), self.fmt,
+                                  dtype=self.dtype)
+        return entries.view(*rows.shape, entries.shape[-1])
 
 
 class Compressor(nn.Module):
