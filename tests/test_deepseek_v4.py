@@ -391,11 +391,13 @@ def test_bad_checkpoints_name_the_tensor(ckpt, tmp_path):
         load_ours(_rewrite_checkpoint(path, tmp_path / "mtp", mtp))
 
 
-def test_mtp_weights_are_kept(ckpt, tmp_path):
+def test_a_partial_mtp_layer_is_refused(ckpt, tmp_path):
+    """MTP tensors are optional (transformers saves none), but once a checkpoint has some it needs all
+    (tests/test_spec_mtp.py loads and runs a complete one)."""
     path, _ = ckpt
-    mtp = torch.randn(64)
-    model = load_ours(_rewrite_checkpoint(path, tmp_path / "mtp", lambda t: {**t, "mtp.0.enorm.weight": mtp}))
-    torch.testing.assert_close(model.mtp_weights["mtp.0.enorm.weight"], mtp)
+    partial = _rewrite_checkpoint(path, tmp_path / "mtp", lambda t: {**t, "mtp.0.enorm.weight": torch.randn(64)})
+    with pytest.raises(ValueError, match=r"missing tensors.*0\.(hnorm|e_proj|h_proj|block)"):
+        load_ours(partial)
 
 
 def test_bad_configs_name_the_key(ckpt, tmp_path):

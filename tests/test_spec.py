@@ -1,5 +1,7 @@
 """Speculative decoding: the MTPVarlen greedy by hand, lossless outputs with every drafter, the
 sampled distribution under rejection sampling, and bad configurations."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -159,9 +161,9 @@ def test_bad_drafter_output_is_refused():
 
 def test_ngram_lookup_finds_the_latest_match():
     d = NgramDrafter(k=3)
-    tokens, conf = d.propose([[1, 2, 3, 9, 1, 2, 3, 4, 1, 2]], None)
+    tokens, conf = d.propose(SimpleNamespace(histories=[[1, 2, 3, 9, 1, 2, 3, 4, 1, 2]]))
     assert tokens.tolist() == [[3, 4, 1]] and (conf > 0).all()
-    tokens, conf = d.propose([[7, 8, 9]], None)
+    tokens, conf = d.propose(SimpleNamespace(histories=[[7, 8, 9]]))
     assert (conf == 0).all()
 
 

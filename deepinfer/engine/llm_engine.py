@@ -19,7 +19,7 @@ from deepinfer.layers.sampler import SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec.speculator import SpecConfig, Speculator
+from deepinfer.spec.speculator import SpecConfig, Speculator, prepare_model
 
 logger = logging.getLogger("deepinfer")
 
@@ -77,8 +77,9 @@ class LLMEngine:
         if config.block_size % self.model.block_size_multiple:
             raise ValueError(f"LLM(block_size={config.block_size}) must be a multiple of "
                              f"{self.model.block_size_multiple} for this model")
-        if config.speculative and hasattr(self.model, "max_backtracking"):  # state rings keep k + 1 rows to roll back
-            self.model.max_backtracking = SpecConfig.from_dict(config.speculative).num_draft_tokens + 1
+        spec_cfg = SpecConfig.from_dict(config.speculative) if config.speculative else None
+        if spec_cfg is not None:
+            prepare_model(self.model, spec_cfg)
         spec = self.model.cache_spec(config.block_size, config.kv_cache_dtype)
         self.cache = CacheEngine(spec, config.kv_cache_memory, config.max_num_seqs, config.block_size)
         self.model.bind_cache(self.cache.paged, self.cache.state)
@@ -87,7 +88,7 @@ class LLMEngine:
             logger.info("memory plan: %s", line)
         self.scheduler = _C.Scheduler(self._scheduler_config())
         self.runner = ModelRunner(self.model, config.block_size, config.seed)
-        self.spec = Speculator(SpecConfig.from_dict(config.speculative), self) if config.speculative else None
+        self.spec = Speculator(spec_cfg, self) if spec_cfg is not None else None
         self.seqs: dict[int, SeqState] = {}
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Handoff] = []
@@ -181,6 +182,8 @@ class LLMEngine:
         else:
             out = self.runner.execute(batch, sampling)
             results = self.scheduler.process(batch, out.tokens.tolist())
+        if self.spec is not None:
+            self.spec.after_step(self, batch, results)
         if self.eplb is not None:
             self.eplb.end_step()
         finished = set()

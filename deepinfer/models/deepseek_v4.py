@@ -146,12 +146,12 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, i: int, rates: dict, dtype: torch.dtype):
+    def __init__(self, cfg, layer_type: str, is_hash: bool, rates: dict, dtype: torch.dtype):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.layer_type = cfg.layer_types[i]
-        self.self_attn = V4Attention(cfg, self.layer_type, rates, dtype)
-        self.mlp = MoE(cfg, cfg.mlp_layer_types[i] == "hash_moe", dtype)
+        self.layer_type = layer_type
+        self.self_attn = V4Attention(cfg, layer_type, rates, dtype)
+        self.mlp = MoE(cfg, is_hash, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
@@ -179,9 +179,40 @@ class V4Model(nn.Module):
         super().__init__()
         self.hc_mult = cfg.hc_mult
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rates, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind, mlp == "hash_moe", rates, dtype)
+                                    for kind, mlp in zip(cfg.layer_types, cfg.mlp_layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+
+
+class MTPLayer(nn.Module):
+    """One multi-token-prediction module (checkpoint `mtp.{i}.*`), laid out as vLLM's DeepSeek-V4 MTP:
+    the next token's embedding (zeroed at position 0) through enorm and e_proj, added to every stream of
+    the previous hidden streams through hnorm and h_proj; one sliding-window, top-k routed decoder block
+    of the main architecture; its own HyperHead, then a norm and the main model's lm_head. Embedding and
+    lm_head are shared with the main model."""
+
+    def __init__(self, cfg, dtype: torch.dtype):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm, self.hnorm = RMSNorm(H, eps), RMSNorm(H, eps)
+        self.e_proj, self.h_proj = Linear(H, H, dtype), Linear(H, H, dtype)
+        self.block = DecoderLayer(cfg, SLIDING, False, {}, dtype)
+        self.hc_head = HyperHead(cfg.hc_mult, H, cfg.hc_eps, eps)
+        self.head_norm = RMSNorm(H, eps)
+
+    def forward(self, streams, next_ids, positions, ropes, meta, embed: torch.Tensor) -> torch.Tensor:
+        """streams [T, N, H]: the target's pre-HyperHead streams at `positions` (or this layer's own output
+        one position earlier); next_ids [T]: the token after each position -> streams [T, N, H]."""
+        e = F.embedding(next_ids, embed).masked_fill((positions == 0)[:, None], 0)
+        T, N, H = streams.shape
+        h = self.h_proj(self.hnorm(streams).view(T * N, H)).view(T, N, H)
+        x = h + self.e_proj(self.enorm(e)).unsqueeze(1)
+        return self.block(x, next_ids, positions, ropes, meta, None)
+
+    def hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """[T, N, H] -> [T, H], ready for the shared lm_head."""
+        return self.head_norm(self.hc_head(streams))
 
 
 # Checkpoint names: DeepSeek's own layout (what save_pretrained writes too) -> transformers' module names.
@@ -206,6 +237,13 @@ _RENAMES = [(re.compile(p), r) for p, r in [
 ]]
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _MTP = re.compile(r"^mtp\.(\d+)\.")
+# MTP tensors with `mtp.{i}.` stripped: the module's own names, and copies of the main embedding and
+# lm_head that DeepSeek's checkpoints may carry (shared, so not loaded twice). The block's tensors are
+# named as a main-model layer's.
+_MTP_OWN = {"hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale",
+            "norm.weight": "head_norm.weight", "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+            "e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight"}
+_MTP_SHARED = ("emb.tok_emb.weight", "head.weight", "embed_tokens.weight", "shared_head.head.weight")
 
 
 def hf_to_param(name: str) -> tuple[str, int | None, int | None]:
@@ -220,6 +258,14 @@ def hf_to_param(name: str) -> tuple[str, int | None, int | None]:
             return f"model.{prefix}.down_proj", e, None
         return f"model.{prefix}.gate_up_proj", e, 0 if w == "w1" else 1
     return (n if n == "lm_head.weight" else "model." + n), None, None
+
+
+def mtp_to_param(rest: str) -> tuple[str, int | None, int | None]:
+    """An MTP tensor name without its `mtp.{i}.` prefix -> (MTPLayer parameter name, expert, shard)."""
+    if rest in _MTP_OWN:
+        return _MTP_OWN[rest], None, None
+    name, expert, shard = hf_to_param("layers.0." + rest)
+    return "block." + name[len("model.layers.0."):], expert, shard
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -248,7 +294,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                 layer.self_attn.compressor.rope = self.ropes["compress"]
                 if layer.self_attn.indexer is not None:
                     layer.self_attn.indexer.rope = self.ropes["compress"]
-        self.mtp_weights: dict[str, torch.Tensor] = {}  # MTP layer(s), kept for speculative decoding
+        self.mtp = nn.ModuleList()  # MTP layer(s), built when the checkpoint carries them (for drafting)
+        self.mtp_enabled = False  # the engine turns it on (before cache_spec) to give MTP its SWA rings
+        self.capture_streams = False  # keep the last forward's pre-HyperHead streams for the MTP drafter
+        self.last_streams: torch.Tensor | None = None
         self.kv_cache_dtype = None
 
     # ---- cache ------------------------------------------------------------------------------------------
@@ -283,6 +332,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             for part, width in (("csa", D), ("idx", Di)):
                 spec.state[f"{p}{part}_kv_ring"] = CacheTensor((L, 2 * width), dt)
                 spec.state[f"{p}{part}_gate_ring"] = CacheTensor((L, 2 * width), dt)
+        if self.mtp_enabled:  # the MTP block is sliding-window only: its whole cache is one ring
+            for i in range(len(self.mtp)):
+                spec.state[f"mtp.{i}.swa_ring"] = CacheTensor((self.ring_len, D), dt)
         self.kv_cache_dtype = kv_cache_dtype
         return spec
 
@@ -298,6 +350,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         spec.paged[name + "_scale"] = CacheTensor((per_block, dim // block), torch.uint8)
 
     def bind_cache(self, paged: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+        for i, layer in enumerate(self.mtp):
+            layer.block.self_attn.ring = state.get(f"mtp.{i}.swa_ring")
         for i, layer in enumerate(self.model.layers):
             p, attn = f"layers.{i}.", layer.self_attn
             attn.ring = state[p + "swa_ring"]
@@ -324,12 +378,28 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, replay_start: int | None = None):
         """input_ids [T], meta for one all-prefill or all-decode step -> hidden [T, H] (after the final norm)."""
         positions = meta.positions
-        ropes = {kind: rope(positions, self.dtype) for kind, rope in self.ropes.items()}
+        ropes = self.rope_tables(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         streams = x.unsqueeze(1).expand(-1, self.model.hc_mult, -1).contiguous()
         for layer in self.model.layers:
             streams = layer(streams, input_ids, positions, ropes, meta, replay_start)
+        if self.capture_streams:
+            self.last_streams = streams
         return self.model.norm(self.model.hc_head(streams))
+
+    def rope_tables(self, positions: torch.Tensor) -> dict:
+        """{'main' | 'compress': (cos, sin) [T, rd/2]} for positions [T]."""
+        return {kind: rope(positions, self.dtype) for kind, rope in self.ropes.items()}
+
+    @torch.no_grad()
+    def mtp_forward(self, i: int, streams, next_ids, meta) -> torch.Tensor:
+        """MTP layer i over rows at meta.positions: streams [T, N, H], next_ids [T] -> streams [T, N, H]."""
+        ropes = self.rope_tables(meta.positions)
+        return self.mtp[i](streams, next_ids, meta.positions, ropes, meta, self.model.embed_tokens.weight)
+
+    def mtp_logits(self, i: int, streams: torch.Tensor) -> torch.Tensor:
+        """[T, N, H] -> fp32 logits [T, V] through MTP layer i's head and the shared lm_head."""
+        return self.compute_logits(self.mtp[i].hidden(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head.weight).float()
@@ -372,6 +442,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         Raises on missing, unexpected, duplicated or misshapen tensors, naming them."""
         loader = WeightLoader(self)
         n_mtp = _cfg(self.config, "num_nextn_predict_layers", 0) or 0
+        mtp = []
         for hf_name, tensor in weights:
             bare = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
             m = _MTP.match(bare)
@@ -379,9 +450,23 @@ class DeepseekV4ForCausalLM(nn.Module):
                 if int(m.group(1)) >= n_mtp:
                     raise ValueError(f"unexpected checkpoint tensor {hf_name!r}: config.num_nextn_predict_layers "
                                      f"is {n_mtp}")
-                self.mtp_weights[bare] = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+                mtp.append((int(m.group(1)), bare[m.end():], hf_name, tensor))
                 continue
             loader.load(hf_to_param(hf_name), tensor, hf_name)
+        loader.finish()
+        if mtp:
+            self._load_mtp(n_mtp, mtp)
+
+    def _load_mtp(self, n: int, tensors: list) -> None:
+        """Checkpoints without MTP tensors (transformers saves none) get no MTP layers; a checkpoint with
+        some must have all of them."""
+        self.mtp = nn.ModuleList(MTPLayer(self.config, self.dtype) for _ in range(n))
+        loader = WeightLoader(self.mtp)
+        for i, rest, hf_name, tensor in tensors:
+            if rest in _MTP_SHARED:
+                continue
+            name, expert, shard = mtp_to_param(rest)
+            loader.load((f"{i}.{name}", expert, shard), tensor, hf_name)
         loader.finish()
 
     # ---- memory plan --------------------------------------------------------------------------------------
@@ -402,7 +487,8 @@ def bytes_per_token_by_layer_type(spec: CacheSpec, block_size: int) -> dict[str,
     spec's names (csa_kv -> CSA, hca_kv -> HCA, ring only -> sliding, whose window lives in the state pool)."""
     kinds = {}
     for name in spec.state:
-        kinds.setdefault(int(name.split(".")[1]), SLIDING)
+        if name.startswith("layers."):  # not the MTP rings
+            kinds.setdefault(int(name.split(".")[1]), SLIDING)
     per_layer = {}
     for name, t in spec.paged.items():
         i = int(name.split(".")[1])

@@ -1,11 +1,34 @@
 """Drafters behind one interface:
 
-    propose(histories: list[list[int]], keys: list) -> (tokens [R, k] int64, confidences [R, k] fp64)
+    propose(batch: DraftBatch) -> (tokens [R, k] int64, confidences [R, k] fp64)
+    observe(seq_ids, verified, accepted)   per sequence, drafts verified / accepted in the last step
 
-histories are each sequence's prompt + output tokens; keys identify the request (its prompt) for
-drafters that need it. Every drafter here proposes deterministically (a point mass), which is what
-verification assumes when it rejection-samples."""
+and optionally after_step(engine, batch, results), called after every engine step (the MTP drafter
+drafts there, from that step's hidden states). Every drafter proposes deterministically (a point mass),
+which is what verification assumes when it rejection-samples."""
+from functools import cached_property
+
 import torch
+
+
+class DraftBatch:
+    """The running sequences a step drafts for. histories (prompt + output tokens) and keys (the prompt,
+    which identifies a request) are copied out of the C++ scheduler only if a drafter reads them."""
+
+    def __init__(self, scheduler, seq_ids: list[int]):
+        self.scheduler, self.seq_ids = scheduler, seq_ids
+
+    @cached_property
+    def _seqs(self):
+        return [self.scheduler.sequence(i) for i in self.seq_ids]
+
+    @cached_property
+    def histories(self) -> list[list[int]]:
+        return [list(s.token_ids) for s in self._seqs]
+
+    @cached_property
+    def keys(self) -> list[tuple]:
+        return [tuple(h[:s.num_prompt_tokens]) for h, s in zip(self.histories, self._seqs)]
 
 
 def check_proposal(tokens: torch.Tensor, conf: torch.Tensor, rows: int, k: int, vocab: int) -> None:
@@ -29,7 +52,8 @@ class NgramDrafter:
         self.accepted = torch.full((k,), prior)
         self.offered = torch.ones(k)
 
-    def propose(self, histories, keys=None):
+    def propose(self, batch: DraftBatch):
+        histories = batch.histories
         tokens = torch.zeros(len(histories), self.k, dtype=torch.int64)
         found = torch.zeros(len(histories), dtype=torch.bool)
         for row, hist in enumerate(histories):
@@ -50,8 +74,8 @@ class NgramDrafter:
                     return follow + [follow[-1]] * (self.k - len(follow))
         return []
 
-    def observe(self, verified: list[int], accepted: list[int]) -> None:
-        """Per request: drafts verified and accepted this step; updates per-position rates."""
+    def observe(self, seq_ids, verified: list[int], accepted: list[int]) -> None:
+        """Updates the per-position acceptance rates."""
         for v, a in zip(verified, accepted):
             self.offered[:v] += 1
             self.accepted[:min(a, v)] += 1
@@ -68,7 +92,8 @@ class ReplayDrafter:
         self.k, self.references, self.acceptance, self.vocab = k, references, acceptance, vocab_size
         self.generator = torch.Generator().manual_seed(seed)
 
-    def propose(self, histories, keys):
+    def propose(self, batch: DraftBatch):
+        histories, keys = batch.histories, batch.keys
         tokens = torch.randint(0, self.vocab, (len(histories), self.k), generator=self.generator)
         keep = torch.rand(len(histories), self.k, generator=self.generator) < self.acceptance
         conf = torch.full((len(histories), self.k), float(self.acceptance), dtype=torch.float64)
@@ -82,5 +107,5 @@ class ReplayDrafter:
             tokens[row] = torch.where(keep[row], follow, tokens[row])
         return tokens, conf
 
-    def observe(self, verified, accepted) -> None:
+    def observe(self, seq_ids, verified, accepted) -> None:
         """Confidences are given, not learned."""

@@ -13,7 +13,8 @@ import torch
 from deepinfer import _C
 from deepinfer.config import dataclass_from_dict
 from deepinfer.layers.attention_metadata import AttentionMetadata
-from deepinfer.spec.drafters import NgramDrafter, ReplayDrafter, check_proposal
+from deepinfer.spec.drafters import DraftBatch, NgramDrafter, ReplayDrafter, check_proposal
+from deepinfer.spec.mtp import MTPDrafter
 from deepinfer.spec.verify import verify_sequence
 
 logger = logging.getLogger("deepinfer")
@@ -23,7 +24,8 @@ logger = logging.getLogger("deepinfer")
 class SpecConfig:
     """LLM(speculative={...}): method "ngram" | "replay" | "mtp"; num_draft_tokens k in 1..16;
     verify "greedy" (MTPVarlen) or "all" (every draft); replay: acceptance, references
-    {prompt token tuple: continuation}."""
+    {prompt token tuple: continuation}; mtp: calibrate (fit per-position confidence temperatures to the
+    measured acceptance)."""
 
     method: str
     num_draft_tokens: int
@@ -31,6 +33,7 @@ class SpecConfig:
     acceptance: float = 0.75
     references: dict | None = None
     seed: int = 0
+    calibrate: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpecConfig":
@@ -42,6 +45,15 @@ class SpecConfig:
         if cfg.verify not in ("greedy", "all"):
             raise ValueError(f"LLM(speculative={{'verify': {cfg.verify!r}}}) must be 'greedy' or 'all'")
         return cfg
+
+
+def prepare_model(model, cfg: SpecConfig) -> None:
+    """Before the cache is laid out: models with position-indexed rings keep k + 1 extra positions so
+    rejected drafts can be rolled back, and an MTP drafter gets its own ring."""
+    if hasattr(model, "max_backtracking"):
+        model.max_backtracking = cfg.num_draft_tokens + 1
+    if cfg.method == "mtp" and hasattr(model, "mtp_enabled"):
+        model.mtp_enabled = True
 
 
 class Speculator:
@@ -61,21 +73,17 @@ class Speculator:
         if cfg.method == "replay":
             refs = {tuple(k): list(v) for k, v in (cfg.references or {}).items()}
             return ReplayDrafter(cfg.num_draft_tokens, refs, cfg.acceptance, engine.vocab_size, cfg.seed)
-        mtp = getattr(engine.model, "mtp_drafter", None)
-        if mtp is None:
+        if not len(getattr(engine.model, "mtp", ())):
             raise ValueError("LLM(speculative={'method': 'mtp'}): this checkpoint has no MTP layers "
-                             "the engine can draft with")
-        return mtp(cfg.num_draft_tokens)
+                             "(no mtp.* tensors) to draft with")
+        return MTPDrafter(cfg.num_draft_tokens, engine.model, cfg.calibrate)
 
     def prepare(self, engine) -> None:
         """Proposes drafts for every running sequence and hands the verified prefix to the scheduler."""
         ids = list(engine.scheduler.running_ids())
         if not ids:
             return
-        seqs = [engine.scheduler.sequence(i) for i in ids]
-        histories = [list(s.token_ids) for s in seqs]
-        keys = [tuple(s.token_ids[:s.num_prompt_tokens]) for s in seqs]
-        tokens, conf = self.drafter.propose(histories, keys)
+        tokens, conf = self.drafter.propose(DraftBatch(engine.scheduler, ids))
         check_proposal(tokens, conf, len(ids), self.k, engine.vocab_size)
         start = time.perf_counter()
         lens = self.varlen.schedule(conf.numpy()) if self.cfg.verify == "greedy" else [self.k] * len(ids)
@@ -95,8 +103,14 @@ class Speculator:
             out.append(toks)
             verified.append(len(drafts))
             accepted.append(max(0, len(toks) - 1))
-        self.drafter.observe(verified, accepted)
+        self.drafter.observe(batch.seq_ids, verified, accepted)
         return out
+
+    def after_step(self, engine, batch, results) -> None:
+        """Lets a drafter that works from the step's hidden states (MTP) draft for the next step."""
+        hook = getattr(self.drafter, "after_step", None)
+        if hook is not None:
+            hook(engine, batch, results)
 
 
 def step_time_curve(engine, k: int) -> "_C.StepTimeCurve":
