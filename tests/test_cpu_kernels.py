@@ -7,8 +7,10 @@ from deepinfer import LLM
 from deepinfer.layers.cpu_ops import grouped_experts_bf16, linear_bf16
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 31, 33, 40])
-@pytest.mark.parametrize("k, n", [(64, 96), (100, 37), (1024, 20)])
+# m covers the tile paths (1-9), the wide path's padded and whole 16-row groups with a tiled remainder
+# (10-255, for n >= 256) and the sgemm fallback (256); n not a multiple of the 6-row panels, k not of 8.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 10, 15, 16, 17, 26, 31, 33, 40, 64, 130, 256])
+@pytest.mark.parametrize("k, n", [(64, 96), (100, 37), (1024, 20), (37, 259), (64, 300)])
 def test_linear_bf16_matches_fp32_reference(m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=g)
