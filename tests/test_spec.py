@@ -94,6 +94,26 @@ def test_greedy_speculation_is_lossless(tiny_qwen3_moe, references, spec):
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.cache.num_blocks
 
 
+def test_logprobs_with_speculation_equal_those_without(tiny_qwen3_moe, references):
+    """Each emitted token's logprob comes from the verify row that scored it: same tokens, same logprobs
+    (top 3 and ranks) as plain decoding, with accepted drafts in the run."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    plain = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, block_size=4)
+    spec = {"method": "replay", "num_draft_tokens": 3, "acceptance": 0.75, "references": references}
+    fast = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, block_size=4, speculative=spec)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = fast.generate(PROMPTS, params, use_tqdm=False)
+    assert sum(o.metrics.spec_accepted_drafts for o in got) > 0
+    for a, b in zip(got, want):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(b.logprobs) == 20
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, rel=1e-4)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            for tok in x:
+                assert x[tok].rank == y[tok].rank and x[tok].logprob == pytest.approx(y[tok].logprob, abs=1e-4)
+
+
 def test_lossless_on_llama_with_preemption(tiny_llama):
     ps = PROMPTS * 2
     ref = LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20, block_size=4).generate(ps, GREEDY, use_tqdm=False)

@@ -133,8 +133,6 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"request {index}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        if self.spec is not None and params.logprobs is not None:
-            raise ValueError(f"request {index}: logprobs are not returned with speculative decoding yet")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {index}: stop strings need a tokenizer and the model ships none")
 
@@ -175,20 +173,21 @@ class LLMEngine:
         states = [self.seqs[s] for s in batch.seq_ids]
         sampling = self._sampling_batch(states)
         if batch.type == _C.StepType.DECODE and self.spec is not None and batch.draft_lens.sum() > 0:
-            tokens = self.spec.verify(batch, self.runner.logits_all(batch), states, sampling,
-                                      self.runner.sampler.generator)
+            logits = self.runner.logits_all(batch)
+            tokens = self.spec.verify(batch, logits, states, sampling, self.runner.sampler.generator)
             self._count_drafts(states, batch.draft_lens.tolist(), tokens)
-            out, results = None, self.scheduler.process_multi(batch, tokens)
+            out, firsts = self.spec.token_logprobs(batch, logits, tokens, sampling.num_logprobs)
+            results = self.scheduler.process_multi(batch, tokens)
         else:
-            out = self.runner.execute(batch, sampling)
+            out, firsts = self.runner.execute(batch, sampling), range(len(states))
             results = self.scheduler.process(batch, out.tokens.tolist())
         if self.spec is not None:
             self.spec.after_step(self, batch, results)
         if self.eplb is not None:
             self.eplb.end_step()
         finished = set()
-        for row, res in enumerate(results):
-            if self._apply(row, res, out, batch):
+        for first, res in zip(firsts, results):
+            if self._apply(first, res, out):
                 finished.add(self.seqs[res.seq_id].request_id)
         return [self._finish_request(r) for r in finished if self._request_done(r)], batch.num_tokens
 
@@ -211,8 +210,9 @@ class LLMEngine:
             num_logprobs=max(logprobs) if logprobs else -1,
         )
 
-    def _apply(self, row: int, res, out, batch) -> bool:
-        """Records one sequence's step result; returns whether the sequence finished."""
+    def _apply(self, first: int, res, out) -> bool:
+        """Records one sequence's step result (its tokens' logprobs are rows first.. of out); returns
+        whether the sequence finished."""
         state = self.seqs[res.seq_id]
         metrics = self.requests[state.request_id].metrics
         if res.tokens:
@@ -220,7 +220,7 @@ class LLMEngine:
             metrics.num_generation_tokens += len(res.tokens)
             if metrics.first_token_time is None:
                 metrics.first_token_time = time.monotonic()
-            self._record_logprobs(state, row, out)
+            self._record_logprobs(state, first, res.tokens, out)
         if res.reason == _C.FinishReason.HANDOFF:
             self._hand_off(res.seq_id, state)
             return True
@@ -233,20 +233,21 @@ class LLMEngine:
             self.scheduler.finish(res.seq_id, _C.FinishReason.STOP)
         return state.finish_reason is not None
 
-    def _record_logprobs(self, state: SeqState, row: int, out) -> None:
-        if out is None or out.token_logprob is None:
+    def _record_logprobs(self, state: SeqState, first: int, tokens: list[int], out) -> None:
+        if out.token_logprob is None:
             return
-        logprob = float(out.token_logprob[row])
-        state.cumulative_logprob += logprob
         n = state.params.logprobs
-        if n is None:
-            return
-        entry = {state.token_ids[-1]: Logprob(logprob, int(out.token_rank[row]))}
-        if n:
-            top = zip(out.topk_ids[row, :n].tolist(), out.topk_logprobs[row, :n].tolist())
-            for rank, (tok, value) in enumerate(top):
-                entry.setdefault(tok, Logprob(value, rank + 1))
-        state.logprobs.append(entry)
+        for row, token in enumerate(tokens, start=first):
+            logprob = float(out.token_logprob[row])
+            state.cumulative_logprob += logprob
+            if n is None:
+                continue
+            entry = {token: Logprob(logprob, int(out.token_rank[row]))}
+            if n:
+                top = zip(out.topk_ids[row, :n].tolist(), out.topk_logprobs[row, :n].tolist())
+                for rank, (tok, value) in enumerate(top):
+                    entry.setdefault(tok, Logprob(value, rank + 1))
+            state.logprobs.append(entry)
 
     def _hit_stop_string(self, state: SeqState) -> bool:
         """Decodes the output and cuts it at the first stop string; True if one was found."""

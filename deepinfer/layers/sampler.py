@@ -61,7 +61,7 @@ class Sampler:
         logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
         tokens = logits.argmax(-1) if batch.all_greedy else self._sample(logits, batch)
         tokens = torch.where(finite, tokens, torch.full_like(tokens, -1))
-        return self._logprobs(logits, tokens, batch.num_logprobs)
+        return self.logprobs(logits, tokens, batch.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """A seeded row's draw depends only on (its seed, tokens generated so far), so a seeded request
@@ -72,7 +72,8 @@ class Sampler:
         return self.sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, seeds, batch.offsets)
 
     @staticmethod
-    def _logprobs(logits, tokens, n) -> SamplerOutput:
+    def logprobs(logits, tokens, n) -> SamplerOutput:
+        """logits [B, V] fp32 (raw, as vLLM reports them), tokens [B]; n top logprobs (-1: none)."""
         if n < 0:
             return SamplerOutput(tokens, None, None, None, None)
         logp = logits.log_softmax(-1)

@@ -2,6 +2,7 @@
 C++ MTPVarlen greedy picks how many of each to verify on this machine's measured step-time curve,
 and after the forward verify.py decides what is accepted (the scheduler rolls back the rest)."""
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import torch
 from deepinfer import _C
 from deepinfer.config import dataclass_from_dict
 from deepinfer.layers.attention_metadata import AttentionMetadata
+from deepinfer.layers.sampler import Sampler
 from deepinfer.spec.drafters import DraftBatch, NgramDrafter, ReplayDrafter, check_proposal
 from deepinfer.spec.mtp import MTPDrafter
 from deepinfer.spec.verify import verify_sequence
@@ -105,6 +107,17 @@ class Speculator:
             accepted.append(max(0, len(toks) - 1))
         self.drafter.observe(batch.seq_ids, verified, accepted)
         return out
+
+    @staticmethod
+    def token_logprobs(batch, logits: torch.Tensor, tokens: list[list[int]], n: int):
+        """Logprobs of every emitted token, from the verify row that scored it (token j of sequence i comes
+        from row query_start_loc[i] + j). -> (SamplerOutput over the tokens flattened in sequence order,
+        each sequence's first index in it)."""
+        qsl = batch.query_start_loc.tolist()
+        rows = [qsl[i] + j for i, toks in enumerate(tokens) for j in range(len(toks))]
+        firsts = list(itertools.accumulate([0] + [len(t) for t in tokens]))[:-1]
+        flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64)
+        return Sampler.logprobs(logits[rows], flat, n), firsts
 
     def after_step(self, engine, batch, results) -> None:
         """Lets a drafter that works from the step's hidden states (MTP) draft for the next step."""
