@@ -184,10 +184,11 @@ def ckpt(tmp_path_factory):
 
 
 def test_greedy_matches_transformers_batched_and_late_admission(ckpt):
-    # lengths: shorter than the window (8), one HCA window (16) plus a partial one, several of both, and
-    # exactly two HCA windows (nothing left unfinished)
+    # lengths: shorter than the window (8), one HCA window (16) plus a partial one, several of both,
+    # exactly two HCA windows (nothing left unfinished), and shorter than a CSA window (4)
     path, hf = ckpt
-    prompts = [prompt_of(5, 1), prompt_of(37, 2), prompt_of(70, 3), prompt_of(19, 4), prompt_of(32, 6)]
+    prompts = [prompt_of(5, 1), prompt_of(37, 2), prompt_of(70, 3), prompt_of(19, 4), prompt_of(32, 6),
+               prompt_of(2, 7)]
     n_new = 20  # crosses CSA windows (4), HCA windows (16) and blocks (16) while decoding
     ours = run_schedule(load_ours(path), prompts, n_new, admit_late=(3,), chunks={2: 45, 4: 16})
     for p, got in zip(prompts, ours):

@@ -490,6 +490,9 @@ class V4Attention(nn.Module):
         of them each query sees [S, n] (HCA: causal; CSA: the indexer's top-k)."""
         (ckv, cgate), idx_proj = comp
         self.compressor.prefill_update(ckv[a:b], cgate[a:b], p0, slot, table, emit)
+        if self.indexer is not None:  # before its first window too: later windows pool these tokens
+            ikv, igate = idx_proj
+            self.indexer.prefill_update(ikv[a:b], igate[a:b], p0, slot, table, emit)
         n = ctx // self.compressor.rate
         if n == 0:
             return None, None
@@ -498,8 +501,6 @@ class V4Attention(nn.Module):
         n_seen = (pos + 1) // self.compressor.rate
         if self.indexer is None:
             return entries, w[None, :] < n_seen[:, None]
-        ikv, igate = idx_proj
-        self.indexer.prefill_update(ikv[a:b], igate[a:b], p0, slot, table, emit)
         keys = self.indexer.pool.read(self.indexer.pool.rows(table[None], w[None])[0])
         return entries, self._indexer_chosen(a, x, q_res, cos, sin, keys, n_seen, prefill)
 
