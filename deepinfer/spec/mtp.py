@@ -58,16 +58,17 @@ class MTPDrafter:
         self.drafts = {s: d for s, d in self.drafts.items() if s not in stepped}
         if not settled:
             return
-        seq_ids, rows, next_ids, counts = zip(*settled)
-        meta = self._catch_up_meta(batch, [r[0] for r in rows], counts, engine.config.block_size)
-        row_idx = torch.tensor([i for r in rows for i in r])
-        out = self.model.mtp_forward(0, self.model.last_streams[row_idx],
+        index, seq_ids, first_rows, counts, next_ids = zip(*settled)
+        meta = self._catch_up_meta(batch, index, first_rows, counts, engine.config.block_size)
+        rows = torch.cat([torch.arange(r, r + n) for r, n in zip(first_rows, counts)])
+        out = self.model.mtp_forward(0, self.model.last_streams[rows],
                                      torch.tensor([t for ids in next_ids for t in ids]), meta)
         self._draft(list(seq_ids), out[meta.query_start_loc[1:] - 1], meta)
 
     @staticmethod
     def _settled(batch, results) -> list:
-        """Per sequence that goes on: (seq id, its settled rows of this step, the token after each, count)."""
+        """Per sequence that goes on: (its index in the batch, seq id, first row and number of its rows the
+        step settled, the token after each of those rows)."""
         qsl, ids = batch.query_start_loc.tolist(), batch.input_ids.tolist()
         prefill = batch.type == _C.StepType.PREFILL
         out = []
@@ -76,14 +77,13 @@ class MTPDrafter:
                 continue
             lo = qsl[i]
             n = qsl[i + 1] - lo if prefill else len(res.tokens)  # verify: last real token + accepted drafts
-            out.append((res.seq_id, range(lo, lo + n), ids[lo + 1:lo + n] + [res.tokens[-1]], n))
+            out.append((i, res.seq_id, lo, n, ids[lo + 1:lo + n] + [res.tokens[-1]]))
         return out
 
     @staticmethod
-    def _catch_up_meta(batch, first_rows, counts, block_size) -> AttentionMetadata:
+    def _catch_up_meta(batch, index, first_rows, counts, block_size) -> AttentionMetadata:
         """Prefill-type metadata over the settled rows (positions continue each sequence's MTP ring)."""
-        index = {r: i for i, r in enumerate(batch.query_start_loc.tolist()[:-1])}
-        seqs = torch.tensor([index[r] for r in first_rows])
+        seqs = torch.tensor(index)
         positions = torch.from_numpy(batch.positions)
         pos = torch.cat([positions[r:r + n] for r, n in zip(first_rows, counts)])
         qsl = torch.tensor([0] + list(counts)).cumsum(0)
