@@ -4,11 +4,11 @@
    at 512, 31.53 at 1,024) and confidence 0.75 per position, 5 drafts: drafts verified per request
    and gain over verifying all five at 60 and 96 requests per rank.
 2. This machine, its own profiled curve: tokens/s and per-user speed for no speculation, fixed
-   k = 1, 3, 5 and the greedy, with the replay drafter at 0.75 and the n-gram drafter on a
+   k = 1..5 and the greedy, with the replay drafter at 0.75 and the n-gram drafter on a
    repetitive workload; the measured accepted length per step (never an assumed one).
 3. Scheduling cost of the greedy at 128 requests x 5 drafts against a step.
 
-    python examples/bench_spec.py [--concurrency 1 8 32] [--new-tokens 32]
+    python examples/bench_spec.py [--concurrency 1 8 32 128] [--new-tokens 32]
 """
 import argparse
 import os
@@ -104,7 +104,7 @@ def machine_sweep(concurrency, new_tokens) -> str:
             base = run(path, prompts, new_tokens, None)
             refs = {tuple(p): o for p, o in zip(prompts, base["outputs"])}
             method = {"method": "replay", "acceptance": 0.75, "references": refs} if kind == "random" else {"method": "ngram"}
-            configs = [("none", None)] + [(f"k={k} all", dict(method, num_draft_tokens=k, verify="all")) for k in (1, 3, 5)]
+            configs = [("none", None)] + [(f"k={k} all", dict(method, num_draft_tokens=k, verify="all")) for k in (1, 2, 3, 4, 5)]
             configs.append(("k=5 greedy", dict(method, num_draft_tokens=5, verify="greedy")))
             for name, spec in configs:
                 res = base if spec is None else run(path, prompts, new_tokens, spec)
@@ -137,14 +137,23 @@ def scheduling_cost() -> str:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
     parts = ["### The article's check (its step-time curve)", article_check(),
              "### This machine (its own profiled curve; small Qwen3-MoE, hidden 512, 6 layers, 16 experts top-2, bf16)",
              machine_sweep(args.concurrency, args.new_tokens), "### Scheduling cost", scheduling_cost()]
     body = ("Measured tokens per step = 1 + accepted drafts per sequence per decode step (includes the bonus "
-            "token); nothing is multiplied by an assumed acceptance.\n\n"
+            "token); nothing is multiplied by an assumed acceptance. The model has random weights, so its "
+            "next-token distribution is nearly flat, and in bf16 our GEMM rounds a row differently with 1 row "
+            "than with 2-6 (other register tiles): a verify step can flip a greedy near-tie that plain decoding "
+            "resolves the other way. From that token on the sequence leaves the replay drafter's reference (the "
+            "run without speculation), its drafts stop matching, and both the measured acceptance and the "
+            "'same tokens' column fall below what the drafter's 0.75 would give. Losslessness itself is "
+            "checked exactly in fp32 by tests/test_spec.py, tests/test_spec_v4.py and tests/test_spec_mtp.py. "
+            "The greedy rows at 128 requests verify no drafts (the profiled curve says verifying costs more "
+            "than it returns there); what they lose against 'none' is drafting (proposals for every "
+            "sequence are made before the greedy picks none) and run-to-run noise.\n\n"
             f"    python examples/bench_spec.py --concurrency {' '.join(map(str, args.concurrency))} "
             f"--new-tokens {args.new_tokens}\n\n" + "\n\n".join(parts))
     print(body)

@@ -1,0 +1,118 @@
+"""Speculative decoding on the medium DeepSeek-V4 (docs/benchmarks.md, "Speculative decoding on DeepSeek-V4").
+
+The checkpoint is examples/make_medium_v4.py's plus one MTP layer of random weights (mtp.0.*, DeepSeek's
+layout), written once to ~/.cache/deepinfer/medium-v4-mtp. Random weights mean the MTP's drafts are almost
+never accepted, so its rows measure what MTP speculation costs (drafting k tokens after each step plus
+verifying them); the replay drafter (the run's own greedy output, each draft kept with probability 0.75)
+shows what V4 verification and rollback return when drafts are good.
+
+    python examples/bench_v4_spec.py [--batch 16] [--new-tokens 24] [--threads 1] [--dtype float32]
+
+fp32 by default: the random-weight model's next-token distribution is nearly flat (top logprob about -8 over
+32,000 tokens), so in bf16 a different batch shape (a verify step's extra rows, or just another batch size)
+flips greedy near-ties within a few tokens and the replay drafter's reference stops matching; fp32 keeps
+the greedy path batch-invariant to within rounding on this model.
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.docs import write_section
+from make_medium_v4 import DEFAULT_DIR, make
+
+MTP_DIR = os.path.expanduser("~/.cache/deepinfer/medium-v4-mtp")
+
+
+def with_mtp(src: str, dst: str = MTP_DIR) -> str:
+    """src's config (num_nextn_predict_layers = 1) and weights plus mtp.safetensors with random mtp.0.*."""
+    if os.path.exists(os.path.join(dst, "mtp.safetensors")):
+        return dst
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    os.makedirs(dst, exist_ok=True)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["num_nextn_predict_layers"] = 1
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    os.symlink(os.path.join(src, "model.safetensors"), os.path.join(dst, "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    mtp = {}
+    with safe_open(os.path.join(src, "model.safetensors"), "pt") as f:
+        # the MTP block is a sliding-window, top-k routed layer: start from such a layer of the model
+        layer = next(i for i, (a, m) in enumerate(zip(cfg["layer_types"], cfg["mlp_layer_types"]))
+                     if a == "sliding_attention" and m == "moe")
+        prefix = f"model.layers.{layer}."
+        for k in f.keys():
+            if k.startswith(prefix):
+                t = f.get_tensor(k)
+                mtp["mtp.0." + k[len(prefix):]] = t + 0.01 * torch.randn(t.shape, generator=g).to(t.dtype) \
+                    if t.is_floating_point() else t
+        for part in ("fn", "base", "scale"):
+            mtp[f"mtp.0.hc_head_{part}"] = f.get_tensor(f"model.hc_head.hc_{part}")
+        mtp["mtp.0.norm.weight"] = f.get_tensor("model.norm.weight")
+    H = cfg["hidden_size"]
+    for name in ("enorm", "hnorm"):
+        mtp[f"mtp.0.{name}.weight"] = torch.ones(H)
+    for name in ("e_proj", "h_proj"):
+        mtp[f"mtp.0.{name}.weight"] = (torch.randn(H, H, generator=g) * H ** -0.5).to(torch.bfloat16)
+    save_file(mtp, os.path.join(dst, "mtp.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def run(path, prompts, new_tokens, threads, dtype, spec) -> dict:
+    llm = LLM(path, dtype=dtype, kv_cache_dtype="fp4", num_threads=threads, max_num_seqs=len(prompts),
+              max_model_len=512, speculative=spec)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    start = time.perf_counter()
+    steps = llm.engine.num_steps["decode"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    steps = llm.engine.num_steps["decode"] - steps
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    verified = sum(o.metrics.spec_verified_drafts for o in outs)
+    accepted = sum(o.metrics.spec_accepted_drafts for o in outs)
+    return {"tok_s": tokens / elapsed, "per_step": tokens / max(1, steps) / len(prompts),
+            "accept": accepted / verified if verified else None, "outputs": [o.outputs[0].token_ids for o in outs]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    path = with_mtp(make(DEFAULT_DIR))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, 32000, (args.batch, 32), generator=g).tolist()
+    base = run(path, prompts, args.new_tokens, args.threads, args.dtype, None)
+    refs = {tuple(p): o for p, o in zip(prompts, base["outputs"])}
+    configs = [("none", None),
+               ("replay 0.75, k=3, greedy", {"method": "replay", "num_draft_tokens": 3, "acceptance": 0.75,
+                                             "references": refs}),
+               ("replay 0.75, k=3, all", {"method": "replay", "num_draft_tokens": 3, "acceptance": 0.75,
+                                          "verify": "all", "references": refs}),
+               ("MTP (random weights), k=2, all", {"method": "mtp", "num_draft_tokens": 2, "verify": "all"})]
+    rows = ["| drafter | tok/s | measured tokens per sequence per step | acceptance | speedup | same tokens as none |",
+            "|---|---|---|---|---|---|"]
+    for name, spec in configs:
+        res = base if spec is None else run(path, prompts, args.new_tokens, args.threads, args.dtype, spec)
+        same = sum(a == b for a, b in zip(res["outputs"], base["outputs"])) / len(prompts)
+        acc = "-" if res["accept"] is None else f"{res['accept']:.2f}"
+        rows.append(f"| {name} | {res['tok_s']:.1f} | {res['per_step']:.2f} | {acc} | "
+                    f"{res['tok_s'] / base['tok_s']:.2f}x | {same:.0%} |")
+        print(rows[-1], flush=True)
+    body = (f"Medium V4 (examples/make_medium_v4.py) + one random MTP layer, {args.dtype}, FP4 KV, batch {args.batch}, "
+            f"32-token prompts, {args.new_tokens} new tokens, greedy, {args.threads} thread(s), load average "
+            f"{os.getloadavg()[0]:.1f} at the end.\n\n    python examples/bench_v4_spec.py --batch {args.batch} "
+            f"--new-tokens {args.new_tokens} --threads {args.threads} --dtype {args.dtype}\n\n" + "\n".join(rows))
+    write_section("Speculative decoding on DeepSeek-V4", body)
+
+
+if __name__ == "__main__":
+    main()
