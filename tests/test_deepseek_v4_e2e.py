@@ -54,3 +54,25 @@ def test_llm_fp4_kv_cache_runs_and_mostly_agrees(ckpt):
     outs = llm.generate(prompts, greedy(24), use_tqdm=False)
     first = [o.outputs[0].token_ids[0] for o in outs]  # prefill logits: only the compressed KV is FP4
     assert sum(a == r[0] for a, r in zip(first, refs)) >= 4
+
+
+def test_eplb_records_v4_routing_and_replanned_placement_keeps_tokens(ckpt):
+    """V4's MoE (hash-routed layers included) goes through RoutedMoE: EPLB counts every routed token and
+    a replan onto redundant slots moves weights without changing the greedy output."""
+    path, prompts, refs = ckpt
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, enable_eplb=True,
+              eplb_config={"window_size": 64, "num_redundant_experts": 2, "num_gpus": 2, "step_interval": 10 ** 6})
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    load = llm.get_expert_load()
+    routed_tokens = sum(len(p) + 23 for p in prompts)  # the last token of each is never run
+    assert load.shape[1:] == (4, 6) and int(load.sum()) == routed_tokens * 2 * 4  # top-2, 4 MoE layers
+    eplb = llm.engine.eplb
+    skew = torch.zeros(4, 6, dtype=torch.int64)
+    skew[:, 1] = 1000
+    eplb.recorder.buf[0] = skew
+    eplb.recorder.end_step()
+    eplb.replan()
+    assert eplb.num_moved > 0 and (eplb.placement.logcnt[:, 1] > 1).all()
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs

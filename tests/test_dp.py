@@ -90,7 +90,8 @@ def test_expert_load_is_summed_over_ranks(dp2, tmp_path):
 
 
 def test_deepseek_v4_greedy_dp2_matches_dp1(tmp_path, ray_local):
-    """DeepSeek-V4's MoE has no `ep` hook: the rank wraps its experts module (3 of 6 experts per rank)."""
+    """DeepSeek-V4's routed MoE goes expert-parallel through the same RoutedMoE hook (3 of 6 experts per
+    rank), hash-routed layers included."""
     import ray
 
     pytest.importorskip("transformers").DeepseekV4ForCausalLM  # noqa: B018

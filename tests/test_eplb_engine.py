@@ -26,8 +26,8 @@ def test_recorded_counts_equal_a_recount_of_router_outputs(tiny_qwen3_moe, monke
     seen = {}
     real_route = SparseMoeBlock.route
 
-    def counting_route(self, x):
-        ids, w = real_route(self, x)
+    def counting_route(self, x, input_ids=None):
+        ids, w = real_route(self, x, input_ids)
         seen.setdefault(self.moe_index, []).append(ids.clone())
         return ids, w
     monkeypatch.setattr(SparseMoeBlock, "route", counting_route)

@@ -10,7 +10,6 @@ Per layer and step, three collectives, joined by every rank even with zero token
   3. combine:  one row per received (token, rank): the weighted sum of that rank's experts for it;
                the origin sums the rows of all ranks (index_add in rank order).
 """
-import copy
 import math
 import time
 
@@ -101,11 +100,9 @@ class ExpertParallel:
         return out
 
 
-def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: FusedMoE) -> torch.Tensor:
     """x [M, H]; ids [M, k] local slot ids with -1 for slots elsewhere; weights [M, k]
-    -> [M, H] = sum over valid k of weights * expert(x). FusedMoE: the same grouping as its forward;
-    any other experts module with forward(x [T, H], ids [T, k], weights [T, k]) runs once over the
-    valid (row, k) pairs as k = 1 rows."""
+    -> [M, H] = sum over valid k of weights * expert(x), grouped as FusedMoE's forward groups."""
     k = ids.shape[1]
     flat = ids.flatten()
     pair = (flat >= 0).nonzero().squeeze(1)                                   # valid (row, k) pairs
@@ -113,41 +110,16 @@ def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     order = slots.argsort(stable=True)
     pair = pair[order]
     token = pair // k
-    w = weights.flatten()[pair, None]
-    if isinstance(experts, FusedMoE):
-        rows = experts._run_experts(x[token], torch.bincount(slots, minlength=experts.num_experts))
-        rows *= w.to(rows.dtype)
-    else:
-        rows = experts(x[token], slots[order, None], w)
+    rows = experts._run_experts(x[token], torch.bincount(slots, minlength=experts.num_experts))
+    rows *= weights.flatten()[pair, None].to(rows.dtype)
     return torch.zeros_like(x).index_add_(0, token, rows.to(x.dtype))
 
 
-def shard_experts(experts: nn.Module, slots: range) -> nn.Module:
-    """The experts module holding only the given slots (in order), so local slot i = slots[i].
-    experts: a FusedMoE, or any module keeping its experts as gate_up_proj / down_proj [E, ...]
-    parameters and their count in num_experts or n_experts (DeepSeek-V4's Experts)."""
+def shard_experts(experts: FusedMoE, slots: range) -> FusedMoE:
+    """The experts holding only the given slots (in order), so local slot i = slots[i]."""
     idx = torch.tensor(list(slots))
-    if isinstance(experts, FusedMoE):
-        E, two_i, H = experts.gate_up_proj.shape
-        local = FusedMoE(len(slots), H, two_i // 2, experts.gate_up_proj.dtype, experts.limit)
-    else:  # same class and settings, own parameter dict (the full module's tensors are dropped)
-        local = copy.copy(experts)
-        local._parameters = dict(experts._parameters)
-        for count in ("num_experts", "n_experts"):
-            if hasattr(local, count):
-                setattr(local, count, len(slots))
+    E, two_i, H = experts.gate_up_proj.shape
+    local = FusedMoE(len(slots), H, two_i // 2, experts.gate_up_proj.dtype, experts.limit)
     local.gate_up_proj = nn.Parameter(experts.gate_up_proj.data[idx].clone(), requires_grad=False)
     local.down_proj = nn.Parameter(experts.down_proj.data[idx].clone(), requires_grad=False)
     return local
-
-
-class EPExperts(nn.Module):
-    """Stands in for a model's experts module where the model has no `ep` hook: forward(x, ids, weights)
-    runs expert-parallel over `local` (this rank's slots; ids are global slot ids)."""
-
-    def __init__(self, ep: ExpertParallel, local: nn.Module):
-        super().__init__()
-        self.ep, self.local = ep, local
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.ep.run(x, ids, weights, self.local)

@@ -2,8 +2,7 @@
 
 Each rank (`DPRankWorker`) is a full LLMEngine with its own C++ scheduler, requests, KV pools and
 attention weights, but only the routed experts of its physical slots (`placement.local_slots(rank)`,
-redundant slots of an EPLB plan included; models without the RoutedMoE `ep` hook, DeepSeek-V4, get
-their experts module wrapped); shared experts stay replicated. MoE layers dispatch and combine tokens
+redundant slots of an EPLB plan included); shared experts, and a drafter's MoE layer, stay replicated. MoE layers dispatch and combine tokens
 across ranks (distributed/ep_moe.py). With enable_eplb the group replans on its all-reduced load and
 expert weights move between rank processes (distributed/expert_transfer.py). Every step the ranks
 all-reduce what work they have and `StepVote` picks one step type for all of them; a rank with nothing
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from deepinfer import _C
 from deepinfer.config import EngineConfig, dataclass_from_dict, hf_get
 from deepinfer.engine.llm_engine import LLMEngine
-from deepinfer.layers.moe import RoutedMoE
+from deepinfer.layers.moe import balanced_moe_blocks
 
 logger = logging.getLogger("deepinfer")
 
@@ -172,7 +171,7 @@ class DPRankWorker:
         self.sched = _ObservedScheduler(self.engine.scheduler)
         self.engine.scheduler = self.sched
         self.ep_layers, self.ep_stats = self._shard_experts()
-        self.moe_blocks = [m for m in self.engine.model.modules() if isinstance(m, RoutedMoE)]
+        self.moe_blocks = balanced_moe_blocks(self.engine.model)
         self.vote = StepVote(dp.prefill_attempt_interval, dp.prefill_any_attempt_interval)
         self.out = OutputSender(out_address)
         self.pending: deque = deque()
@@ -187,9 +186,9 @@ class DPRankWorker:
         from deepinfer.distributed.ep_moe import EPStats, ExpertParallel, shard_experts
 
         stats = EPStats()
-        blocks = [m for m in self.engine.model.modules() if isinstance(m, RoutedMoE)]
+        blocks = balanced_moe_blocks(self.engine.model)
         if not blocks:
-            return self._shard_plain_experts(stats), stats
+            raise ValueError("data_parallel_size > 1 shards routed experts, and the model has none")
         placement = self.engine.eplb.placement
         self.engine.eplb.enabled = False  # its replanning moves weights within one process only
         top_k = int(hf_get(self.engine.hf_config, "num_experts_per_tok"))
@@ -200,30 +199,6 @@ class DPRankWorker:
                                   self.engine.config.dtype, self.group.ep_group, stats)
         torch.set_num_threads(self.engine.config.num_threads)
         return [(b.ep, b.experts) for b in blocks], stats
-
-    def _shard_plain_experts(self, stats) -> list:
-        """Models whose MoE has no `ep` hook (DeepSeek-V4: `mlp.experts(x, ids, weights)`): expert e
-        lives on rank e // (E / world) (no EPLB placement) and the experts module is wrapped."""
-        import torch
-
-        from deepinfer.distributed.ep_moe import EPExperts, ExpertParallel, shard_experts
-
-        owners = [m for m in self.engine.model.modules()
-                  if isinstance(getattr(m, "experts", None), torch.nn.Module)
-                  and getattr(m.experts, "gate_up_proj", None) is not None]
-        layers = []
-        for m in owners:
-            E = m.experts.gate_up_proj.shape[0]
-            if E % self.world_size:
-                raise ValueError(f"{E} routed experts do not split over data_parallel_size={self.world_size}")
-            per = E // self.world_size
-            local = shard_experts(m.experts, range(self.rank * per, (self.rank + 1) * per))
-            # fp32 on the wire: these experts compute in fp32, so bf16 inputs widen exactly
-            ep = ExpertParallel(self.rank, self.world_size, per, int(hf_get(self.engine.hf_config, "num_experts_per_tok")),
-                                torch.float32, self.group.ep_group, stats)
-            m.experts = EPExperts(ep, local)
-            layers.append((ep, local))
-        return layers
 
     def pid(self) -> int:
         return os.getpid()

@@ -14,7 +14,7 @@ from deepinfer.config import EngineConfig, hf_get
 from deepinfer.engine.cache_engine import CacheEngine
 from deepinfer.engine.eplb import EplbConfig, EplbState
 from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.layers.moe import RoutedMoE
+from deepinfer.layers.moe import balanced_moe_blocks
 from deepinfer.layers.sampler import SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -96,7 +96,7 @@ class LLMEngine:
         self.num_steps = {"prefill": 0, "decode": 0}
 
     def _make_eplb(self) -> EplbState | None:
-        blocks = [m for m in self.model.modules() if isinstance(m, RoutedMoE)]
+        blocks = balanced_moe_blocks(self.model)
         if not blocks:
             if self.config.enable_eplb or self.config.eplb_plan:
                 raise ValueError("LLM(enable_eplb / eplb_plan): the model has no routed MoE layers")

@@ -67,7 +67,9 @@ class RoutedMoE(nn.Module):
 
     moe_index: this layer's index among the model's MoE layers (set by the engine).
     ep: when expert-parallel, an object with run(x, physical_ids, weights, experts) -> [T, H] that
-    dispatches tokens to the ranks owning their slots, runs the local experts and combines."""
+    dispatches tokens to the ranks owning their slots, runs the local experts and combines.
+    balanced: False leaves the layer out of EPLB and expert parallelism (a drafter's layer, which runs
+    on one rank at a time and so cannot join the ranks' all-to-alls)."""
 
     def __init__(self, experts: FusedMoE):
         super().__init__()
@@ -75,15 +77,21 @@ class RoutedMoE(nn.Module):
         self.moe_index = 0
         self.eplb = None  # engine.eplb.EplbState, shared by all MoE layers of the model
         self.ep = None
+        self.balanced = True
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (logical expert ids [T, k], weights [T, k])."""
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], input_ids [T] (for hash routing) -> (logical expert ids [T, k], weights [T, k])."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        ids, weights = self.route(x, input_ids)
         if self.eplb is not None:
             ids = self.eplb.on_route(self.moe_index, ids)
         if self.ep is not None:
             return self.ep.run(x, ids, weights, self.experts)
         return self.experts(x, ids, weights)
+
+
+def balanced_moe_blocks(model: nn.Module) -> list[RoutedMoE]:
+    """The MoE layers EPLB balances and expert parallelism shards, in model order."""
+    return [m for m in model.modules() if isinstance(m, RoutedMoE) and m.balanced]

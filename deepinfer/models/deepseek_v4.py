@@ -19,7 +19,7 @@ from deepinfer.engine.cache_spec import CacheSpec, CacheTensor
 from deepinfer.layers import fp4
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.layers.hyper_connection import HyperConnection, HyperHead, hc_merge
-from deepinfer.layers.moe import FusedMoE
+from deepinfer.layers.moe import FusedMoE, RoutedMoE
 from deepinfer.layers.v4_attention import EntryPool, Linear, RMSNorm, Rope, V4Attention, _param, linear
 from deepinfer.models.weights import WeightLoader
 
@@ -131,18 +131,21 @@ class SharedExpert(nn.Module):
         return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-class MoE(nn.Module):
+class MoE(RoutedMoE):
+    """Routed experts (EPLB and expert parallelism through RoutedMoE) plus one shared expert."""
+
     def __init__(self, cfg, is_hash: bool, dtype: torch.dtype):
-        super().__init__()
         inter = cfg.moe_intermediate_size  # the shared expert is one MLP of this width, as the reference
-        self.gate = Router(cfg, is_hash, dtype)
-        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, inter, dtype, limit=cfg.swiglu_limit)
+        super().__init__(FusedMoE(cfg.n_routed_experts, cfg.hidden_size, inter, dtype, limit=cfg.swiglu_limit))
         self.experts.gate_up_proj.shard_sizes = [inter, inter]
+        self.gate = Router(cfg, is_hash, dtype)
         self.shared_experts = SharedExpert(cfg.hidden_size, inter, cfg.swiglu_limit, dtype)
 
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate(x, input_ids)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x, input_ids)
-        return self.experts(x, ids, weights) + self.shared_experts(x)
+        return super().forward(x, input_ids) + self.shared_experts(x)
 
 
 class DecoderLayer(nn.Module):
@@ -198,6 +201,7 @@ class MTPLayer(nn.Module):
         self.enorm, self.hnorm = RMSNorm(H, eps), RMSNorm(H, eps)
         self.e_proj, self.h_proj = Linear(H, H, dtype), Linear(H, H, dtype)
         self.block = DecoderLayer(cfg, SLIDING, False, {}, dtype)
+        self.block.mlp.balanced = False  # drafting runs on each DP rank alone: keep all experts here
         self.hc_head = HyperHead(cfg.hc_mult, H, cfg.hc_eps, eps)
         self.head_norm = RMSNorm(H, eps)
 

@@ -19,7 +19,7 @@ class SparseMoeBlock(RoutedMoE):
         self.gate = Linear(cfg.hidden_size, num_experts, dtype)
         self.experts.gate_up_proj.shard_sizes = [cfg.moe_intermediate_size] * 2
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> topk_ids [T, k], topk_weights [T, k] (softmax in fp32, as transformers)."""
         probs = self.gate(x).softmax(-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
