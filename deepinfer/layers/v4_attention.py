@@ -220,8 +220,11 @@ class Compressor(nn.Module):
         write_ring(self.gate_ring, slot, p0, gate)
 
     def decode_update(self, kv, gate, positions, slots, block_tables) -> None:
-        """One token per sequence (kv, gate [B, 2*dim], positions/slots [B]): into the ring; sequences whose
-        token closes a window emit that entry."""
+        """N rows (kv, gate [N, 2*dim], positions/slots [N], block_tables [N, M]), a verify step's several
+        consecutive positions of a sequence among them: all into the ring, then every row that closes a
+        window emits that entry. Writing first is safe: a step writes positions p0..p0 + l (l < mb), which
+        clobber rows of positions <= p0 + l - L < p0 - 2*rate, older than any source of a window it closes,
+        and the rows it pools (up to the closing position) were all written by then."""
         r, L = self.rate, self.kv_ring.shape[1]
         self.kv_ring[slots, positions % L] = kv
         self.gate_ring[slots, positions % L] = gate
@@ -319,8 +322,8 @@ class HCACompressor(Compressor):
 
     def _record(self, kv, logit, prev, p0: int, slot: int) -> None:
         """Accumulators after each of the last m = min(S, mb) positions -> ring: the tokens of the first
-        one's window before it merged at once, then the m tokens one at a time (so a verify step, S <= mb,
-        merges exactly as that many decode steps would)."""
+        one's window before it merged at once, then the m tokens one at a time, each merge giving the next
+        recorded accumulator."""
         r, S = self.rate, kv.shape[0]
         q = p0 + S - min(S, self.acc.shape[1])  # first recorded position
         ws = max(q - q % r, p0)  # the first token of q's window in this chunk
@@ -334,6 +337,17 @@ class HCACompressor(Compressor):
         write_ring(self.acc, slot, q, torch.stack(out))
 
     def decode_update(self, kv, gate, positions, slots, block_tables) -> None:
+        """N rows as Compressor.decode_update's. Row p's accumulator extends row p - 1's, so a verify step's
+        rows go in waves by their offset in the sequence (at most mb), each wave a batch of one-row steps:
+        the same merges, in the same order, as that many decode steps. Wave j writes the ring row wave j + 1
+        reads; the only older row read, (p0 - 1) % mb, is read by wave 0 before wave mb - 1 may reuse it."""
+        offsets = _run_offsets(slots)
+        for j in range(int(offsets.max()) + 1):
+            rows = (offsets == j).nonzero().flatten()
+            self._decode_wave(kv[rows], gate[rows], positions[rows], slots[rows], block_tables[rows])
+
+    def _decode_wave(self, kv, gate, positions, slots, block_tables) -> None:
+        """At most one row per sequence, its previous position's accumulator already in the ring."""
         r, mb = self.rate, self.acc.shape[1]
         col = positions % r
         acc = self.acc[slots, (positions - 1) % mb]
@@ -344,6 +358,15 @@ class HCACompressor(Compressor):
         if done.numel():
             ids = positions[done] // r
             self._store(self.finish(acc[done], ids, kv.dtype), block_tables[done], ids)
+
+
+def _run_offsets(slots: torch.Tensor) -> torch.Tensor:
+    """slots [N] -> each row's offset in its sequence's rows (a step's rows of one sequence are
+    consecutive and share its state slot, which no other sequence of the step has)."""
+    i = torch.arange(slots.shape[0])
+    first = torch.ones_like(slots, dtype=torch.bool)
+    first[1:] = slots[1:] != slots[:-1]
+    return i - torch.where(first, i, 0).cummax(0).values
 
 
 class IndexerScorer(nn.Module):
@@ -385,10 +408,11 @@ class Indexer(Compressor):
         return idx, visible.gather(1, idx)
 
     def select_decode(self, scores: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode: row b holds n[b] real entries, then padding. -> (indices [B, k], valid [B, k]),
-        k = min(topk, max n). ReLU makes exact-zero scores common, so ties are real; torch.topk breaks them
-        by the row's length, and the reference ranks each sequence's row of exactly n[b] entries. So rows
-        are ranked in groups of equal n, over their first n columns, never over the padding."""
+        """Decode and verify, one query per row: row b holds n[b] real entries, then padding. -> (indices
+        [B, k], valid [B, k]), k = min(topk, max n). ReLU makes exact-zero scores common, so ties are real;
+        torch.topk breaks them by the row's length, and the reference ranks each query's row of exactly
+        n[b] entries. So rows are ranked in groups of equal n, over their first n columns, never over the
+        padding."""
         B, E = scores.shape
         k = min(self.topk, E)
         idx = torch.zeros(B, k, dtype=torch.long)
@@ -447,13 +471,13 @@ class V4Attention(nn.Module):
         comp = ()
         if self.compressor is not None:
             comp = (self.compressor.project(x), self.indexer.project(x) if self.indexer else None)
-        if meta.is_prefill or meta.max_query_len > 1:  # verify steps too: any chunk appended at ctx - S
-            if not meta.is_prefill and meta.max_query_len > self.ring.shape[1] - self.window:
-                raise ValueError(f"a verify step of {meta.max_query_len} tokens could not be rolled back: the "
-                                 "model's max_backtracking must be at least that before cache_spec()")
+        if meta.is_prefill:
             out = torch.cat([self._prefill_seq(i, q, kv, x, q_res, cos, sin, comp, meta, replay_start)
                              for i in range(meta.num_seqs)])
         else:
+            if meta.max_query_len > self.ring.shape[1] - self.window:
+                raise ValueError(f"a verify step of {meta.max_query_len} tokens could not be rolled back: the "
+                                 "model's max_backtracking must be at least that before cache_spec()")
             out = self._decode(q, kv, x, q_res, cos, sin, comp, meta)
         out = apply_rope(out, cos[:, None], -sin[:, None])  # K=V carried rope into V: rotate it back
         return self._output(out)
@@ -466,7 +490,7 @@ class V4Attention(nn.Module):
         mixed = torch.cat([linear(grouped[:, g], w[g]) for g in range(self.groups)], dim=-1)  # [T, G*R]
         return self.o_b_proj(mixed)
 
-    # ---- prefill and verify: one sequence at a time, dense tiles over its keys ---------------------------
+    # ---- prefill: one sequence at a time, dense tiles over its keys --------------------------------------
 
     def _prefill_seq(self, i, q, kv, x, q_res, cos, sin, comp, meta, replay_start):
         a, b = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
@@ -476,7 +500,7 @@ class V4Attention(nn.Module):
         entries = visible = None
         if self.compressor is not None:
             entries, visible = self._prefill_compressed(a, b, p0, ctx, slot, table, pos, x, q_res, cos, sin,
-                                                        comp, replay_start is None, meta.is_prefill)
+                                                        comp, replay_start is None)
         lo = max(0, p0 - self.window + 1, replay_start or 0)
         # ring_len = window + mb rows, window - 1 of them read before p0: rolled-back drafts never
         # clobber those (write_ring); this chunk's own keys come from kv, not from the ring
@@ -485,7 +509,7 @@ class V4Attention(nn.Module):
         write_ring(self.ring, slot, p0, kv[a:b])
         return out
 
-    def _prefill_compressed(self, a, b, p0, ctx, slot, table, pos, x, q_res, cos, sin, comp, emit, prefill):
+    def _prefill_compressed(self, a, b, p0, ctx, slot, table, pos, x, q_res, cos, sin, comp, emit):
         """Write the windows this chunk closes, then return all of the sequence's entries [n, D] and which
         of them each query sees [S, n] (HCA: causal; CSA: the indexer's top-k)."""
         (ckv, cgate), idx_proj = comp
@@ -502,24 +526,19 @@ class V4Attention(nn.Module):
         if self.indexer is None:
             return entries, w[None, :] < n_seen[:, None]
         keys = self.indexer.pool.read(self.indexer.pool.rows(table[None], w[None])[0])
-        return entries, self._indexer_chosen(a, x, q_res, cos, sin, keys, n_seen, prefill)
+        return entries, self._indexer_chosen(a, x, q_res, cos, sin, keys, n_seen)
 
-    def _indexer_chosen(self, a, x, q_res, cos, sin, keys, n_seen, prefill) -> torch.Tensor:
+    def _indexer_chosen(self, a, x, q_res, cos, sin, keys, n_seen) -> torch.Tensor:
         """Which of the n entries (indexer keys [n, Di]) each of the queries a.. keeps -> [S, n]. Query j
-        ranks its n_seen[j] visible entries as the reference's prefill does, or, in a verify step, as the
-        decode steps the step stands for would (select_decode: ties fall differently)."""
+        ranks its n_seen[j] visible entries as the reference's prefill does."""
         S, n = len(n_seen), keys.shape[0]
         chosen = torch.zeros(S, n, dtype=torch.bool)
         for c0 in range(0, S, PREFILL_QUERY_CHUNK):  # tiles bound the [C, Hi, n] score tensor
             c1 = min(c0 + PREFILL_QUERY_CHUNK, S)
             rows = slice(a + c0, a + c1)
             scores = self.indexer.scores(q_res[rows], x[rows], cos[rows], sin[rows], keys)
-            if prefill:
-                idx, valid = self.indexer.select(scores, torch.arange(n)[None, :] < n_seen[c0:c1, None])
-            else:
-                idx, valid = self.indexer.select_decode(scores, n_seen[c0:c1])
-            # counted, not scattered as bools: select_decode pads with invalid picks of entry 0
-            chosen[c0:c1] = torch.zeros(c1 - c0, n, dtype=torch.long).scatter_add_(1, idx, valid.long()) > 0
+            idx, valid = self.indexer.select(scores, torch.arange(n)[None, :] < n_seen[c0:c1, None])
+            chosen[c0:c1] = torch.zeros(c1 - c0, n, dtype=torch.bool).scatter_(1, idx, valid)
         return chosen
 
     def _attend_tiles(self, q, pos, keys, lo, entries, visible) -> torch.Tensor:
@@ -557,16 +576,24 @@ class V4Attention(nn.Module):
         probs = torch.softmax(logits, dim=-1)[..., :-1]
         return torch.bmm(probs, keys).to(q.dtype)
 
-    # ---- decode: one token per sequence, batched ---------------------------------------------------------
+    # ---- decode and verify: one row per query token, batched ----------------------------------------------
 
     def _decode(self, q, kv, x, q_res, cos, sin, comp, meta) -> torch.Tensor:
-        pos, slots, tables = meta.positions, meta.state_slots, meta.block_tables
+        """q [N, H, D]: sequence r's 1 + l_r query rows at consecutive positions p0..p0 + l_r (l_r < mb; 0
+        without speculation), each row a query with its own position and its sequence's slot and table."""
+        pos = meta.positions
+        slots = meta.state_slots.repeat_interleave(meta.query_lens)
+        tables = meta.block_tables.repeat_interleave(meta.query_lens, dim=0)
         ring_len = self.ring.shape[1]
-        self.ring[slots, pos % ring_len] = kv  # the window's other rows outlive any rollback (write_ring)
-        keys = [self.ring[slots]]  # [B, L, D]
+        # Every row's kv goes in before any is read. Position p' of the step lands on the row of p' - L
+        # <= p0 + l - window - mb < p0 - window, older than any query of the step sees; the window's other
+        # rows outlive any rollback (write_ring).
+        self.ring[slots, pos % ring_len] = kv
+        keys = [self.ring[slots]]  # [N, L, D]
+        # the latest position <= pos each ring row can hold: later rows of the step (p' > pos) come out as
+        # p' - L, outside the window, so a query never sees the step's later tokens
         row_pos = pos[:, None] - (pos[:, None] - torch.arange(ring_len)[None, :]) % ring_len
-        masks = [row_pos > pos[:, None] - self.window]  # row_pos <= pos always; >= 0 follows from the window
-        masks[0] &= row_pos >= 0
+        masks = [(row_pos > pos[:, None] - self.window) & (row_pos >= 0)]
         if self.compressor is not None:
             entries, seen = self._decode_compressed(pos, slots, tables, x, q_res, cos, sin, comp)
             if entries is not None:
