@@ -456,6 +456,7 @@ class V4Attention(nn.Module):
             else:
                 self.compressor = HCACompressor(cfg.hidden_size, self.head_dim, rate, self.eps, dtype)
         self.ring: torch.Tensor | None = None  # state pool [slots, ring_len, D]
+        self.attend = get_op("v4_decode_attention")  # the TileLang kernel on CUDA, its torch reference here
 
     @property
     def indexer(self) -> Indexer | None:
@@ -589,18 +590,16 @@ class V4Attention(nn.Module):
         # <= p0 + l - window - mb < p0 - window, older than any query of the step sees; the window's other
         # rows outlive any rollback (write_ring).
         self.ring[slots, pos % ring_len] = kv
-        keys = [self.ring[slots]]  # [N, L, D]
-        # the latest position <= pos each ring row can hold: later rows of the step (p' > pos) come out as
-        # p' - L, outside the window, so a query never sees the step's later tokens
-        row_pos = pos[:, None] - (pos[:, None] - torch.arange(ring_len)[None, :]) % ring_len
-        masks = [(row_pos > pos[:, None] - self.window) & (row_pos >= 0)]
+        # each query's window, newest first: positions pos, pos - 1, ... (the first min(pos + 1, window)
+        # are real); the step's later tokens sit on rows of p' - L, never among these
+        recent = pos[:, None] - torch.arange(self.window)[None, :]
+        window = self.ring[slots[:, None], recent % ring_len]  # [N, W, D]
+        entries = seen = None
         if self.compressor is not None:
             entries, seen = self._decode_compressed(pos, slots, tables, x, q_res, cos, sin, comp)
-            if entries is not None:
-                keys.append(entries)
-                masks.append(seen)
-        mask = torch.cat(masks, dim=1)[:, None, :].expand(-1, self.n_heads, -1)
-        return self._softmax_attend(q, torch.cat(keys, dim=1), mask)
+        if entries is None:
+            entries, seen = window[:, :0], torch.zeros(len(pos), 0, dtype=torch.bool)
+        return self.attend(q, window, (pos + 1).clamp(max=self.window), entries, seen, self.sinks, self.scale)
 
     def _decode_compressed(self, pos, slots, tables, x, q_res, cos, sin, comp):
         (ckv, cgate), idx_proj = comp
