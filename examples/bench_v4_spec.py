@@ -26,6 +26,7 @@ from deepinfer.docs import write_section
 from make_medium_v4 import DEFAULT_DIR, make
 
 MTP_DIR = os.path.expanduser("~/.cache/deepinfer/medium-v4-mtp")
+NOTE = ("The replay rows show what V4 verification and rollback return when drafts are good: every output equals the run without speculation (fp32), and 1.6-2.2 tokens per sequence per step give 1.16-1.28x, less than the accepted length because a verify row costs more than a decode row (the batched verify path, one row per query token, with HCA accumulators advanced in waves). The MTP row, with random MTP weights and so no accepted drafts, is the pure cost of MTP speculation: catch-up plus 2 draft steps through the MTP layer and 3 verify rows per sequence, 0.58x. With a trained MTP layer (DeepSeek reports high acceptance for its MTP) the greedy would weigh that cost against the measured acceptance; no trained V4 checkpoint can be fetched here to measure it.")
 
 
 def with_mtp(src: str, dst: str = MTP_DIR) -> str:
@@ -113,7 +114,8 @@ def main():
     body = (f"Medium V4 (examples/make_medium_v4.py) + one random MTP layer, {args.dtype}, FP4 KV, batch {args.batch}, "
             f"32-token prompts, {args.new_tokens} new tokens, greedy, {args.threads} thread(s), load average "
             f"{os.getloadavg()[0]:.1f} at the end.\n\n    python examples/bench_v4_spec.py --batch {args.batch} "
-            f"--new-tokens {args.new_tokens} --threads {args.threads} --dtype {args.dtype}\n\n" + "\n".join(rows))
+            f"--new-tokens {args.new_tokens} --threads {args.threads} --dtype {args.dtype}\n\n" + "\n".join(rows)
+            + "\n\n" + NOTE)
     write_section("Speculative decoding on DeepSeek-V4", body)
 
 
