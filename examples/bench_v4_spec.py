@@ -26,14 +26,12 @@ from deepinfer.docs import write_section
 from make_medium_v4 import DEFAULT_DIR, make
 
 MTP_DIR = os.path.expanduser("~/.cache/deepinfer/medium-v4-mtp")
-NOTE = ("The replay rows show what V4 verification and rollback return when drafts are good: every output "
-        "equals the run without speculation (fp32), and 1.6-2.2 tokens per sequence per step give 1.16-1.28x, "
-        "less than the accepted length because a verify row costs more than a decode row (the batched verify "
-        "path, one row per query token, with HCA accumulators advanced in waves). The MTP row, with random "
-        "MTP weights and so no accepted drafts, is the pure cost of MTP speculation: catch-up plus 2 draft "
-        "steps through the MTP layer and 3 verify rows per sequence, 0.58x. With a trained MTP layer "
-        "(DeepSeek reports high acceptance for its MTP) the greedy would weigh that cost against the measured "
-        "acceptance; no trained V4 checkpoint can be fetched here to measure it.")
+NOTE = ("The replay rows show what V4 verification and rollback return when drafts are good; their speedup "
+        "is below the measured tokens per step because a verify row costs more than a decode row (the batched "
+        "verify path: one row per query token, HCA accumulators advanced in waves). The MTP row, with random MTP "
+        "weights and so no accepted drafts, is the pure cost of MTP speculation: the catch-up and k draft steps "
+        "through the MTP layer plus k + 1 verify rows per sequence. A trained MTP layer's acceptance cannot be "
+        "measured here (no V4 checkpoint can be fetched).")
 
 
 def with_mtp(src: str, dst: str = MTP_DIR) -> str:
