@@ -10,6 +10,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TINY_VOCAB = 256
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread (two threads spin against the other jobs on this shared box and
+    run 10x slower). Modules opt in with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _save_tokenizer(path: str, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
     from transformers import PreTrainedTokenizerFast

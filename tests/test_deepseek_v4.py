@@ -12,14 +12,7 @@ from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread (two threads spin against the other jobs on this shared box and
-    run 10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**overrides):

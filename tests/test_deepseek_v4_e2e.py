@@ -7,12 +7,7 @@ from deepinfer import LLM, SamplingParams
 from test_deepseek_v4 import hf_greedy, make_checkpoint, prompt_of
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

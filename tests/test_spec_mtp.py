@@ -9,12 +9,7 @@ from deepinfer import LLM, SamplingParams
 from test_deepseek_v4 import SWA, _rewrite_checkpoint, hf_greedy, make_checkpoint, prompt_of, randomize_, tiny_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mtp_reference_module(seed):
@@ -131,13 +126,13 @@ def test_mtp_drafts_match_a_cache_free_reference(ckpt):
     assert checked >= 8  # positions well past the sliding window (8): the MTP ring is read and reused
 
 
-@pytest.mark.parametrize("k, verify", [(2, "all"), (4, "greedy")])
-def test_greedy_mtp_speculation_is_lossless(ckpt, k, verify):
+@pytest.mark.parametrize("k, verify, calibrate", [(2, "all", False), (4, "greedy", True)])
+def test_greedy_mtp_speculation_is_lossless(ckpt, k, verify, calibrate):
     path, hf, _, _ = ckpt
     prompts = [prompt_of(5, 50), prompt_of(21, 51), prompt_of(40, 52)]
     refs = [hf_greedy(hf, p, 20) for p in prompts]
     llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=4,
-              speculative={"method": "mtp", "num_draft_tokens": k, "verify": verify})
+              speculative={"method": "mtp", "num_draft_tokens": k, "verify": verify, "calibrate": calibrate})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     assert sum(o.metrics.spec_verified_drafts for o in outs) > 0

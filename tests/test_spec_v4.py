@@ -13,12 +13,7 @@ PROMPTS = [prompt_of(5, 41), prompt_of(21, 42), prompt_of(38, 43), prompt_of(13,
 N_NEW = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
