@@ -72,10 +72,13 @@ class Sampler:
         return self.sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, seeds, batch.offsets)
 
     @staticmethod
-    def logprobs(logits, tokens, n) -> SamplerOutput:
-        """logits [B, V] fp32 (raw, as vLLM reports them), tokens [B]; n top logprobs (-1: none)."""
+    def logprobs(logits, tokens, n, rows=None) -> SamplerOutput:
+        """logits [R, V] fp32 (raw, as vLLM reports them), tokens [B] scored by logits rows [B] (default: all
+        rows, R = B); n top logprobs (-1: none, and logits are not touched)."""
         if n < 0:
             return SamplerOutput(tokens, None, None, None, None)
+        if rows is not None:
+            logits = logits[rows]
         logp = logits.log_softmax(-1)
         token_logprob = logp.gather(1, tokens.clamp(min=0)[:, None])
         rank = 1 + (logp > token_logprob).sum(-1)

@@ -36,7 +36,7 @@ class MTPDrafter:
         self.k, self.model, self.calibrate = k, model, calibrate
         model.capture_streams = True
         self.temperature = torch.ones(k)
-        self.drafts: dict[int, tuple] = {}  # seq id -> (tokens [k], confidences [k], top-logit gaps [k, K])
+        self.drafts: dict[int, tuple] = {}  # seq id -> (tokens [k], confidences [k], top-logit gaps [k, K] if calibrating)
         self.samples = [deque(maxlen=CALIB_SAMPLES) for _ in range(k)]
         self.fresh = 0
 
@@ -101,23 +101,18 @@ class MTPDrafter:
         last = meta.context_lens - 1
         tokens = torch.zeros(R, self.k, dtype=torch.int64)
         conf = torch.zeros(R, self.k, dtype=torch.float64)
-        gaps = torch.zeros(R, self.k, CALIB_TOP_K)
+        gaps = torch.zeros(R, self.k, CALIB_TOP_K) if self.calibrate else torch.zeros(R, 0)
         for j in range(self.k):
             logits = self.model.mtp_logits(0, streams)
-            tokens[:, j], conf[:, j], gaps[:, j] = self._pick(logits, j)
+            tokens[:, j] = logits.argmax(-1)
+            conf[:, j] = torch.softmax(logits / self.temperature[j], dim=-1).max(-1).values.double()
+            if self.calibrate:
+                gaps[:, j] = top_logit_gaps(logits)
             if j + 1 < self.k:
                 step = _decode_meta(last + j + 1, meta)
                 streams = self.model.mtp_forward(0, streams, tokens[:, j], step)
         for r, seq_id in enumerate(seq_ids):
             self.drafts[seq_id] = (tokens[r], conf[r], gaps[r])
-
-    def _pick(self, logits: torch.Tensor, j: int):
-        """logits [R, V] fp32 -> argmax [R], its confidence at T_j [R], top-logit gaps [R, K] (for the fit)."""
-        top = logits.topk(min(CALIB_TOP_K, logits.shape[-1]), dim=-1).values
-        gaps = torch.zeros(logits.shape[0], CALIB_TOP_K).fill_(float("inf"))
-        gaps[:, :top.shape[1]] = top[:, :1] - top
-        conf = torch.softmax(logits / self.temperature[j], dim=-1).max(-1).values
-        return logits.argmax(-1), conf.double(), gaps
 
     # ---- calibration ---------------------------------------------------------------------------------------
 
@@ -135,6 +130,15 @@ class MTPDrafter:
         if self.fresh >= CALIB_EVERY:
             self.fresh = 0
             self.temperature = torch.stack([fit_temperature(s) for s in self.samples])
+
+
+def top_logit_gaps(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> [R, CALIB_TOP_K]: max logit minus each of the top ones (inf past V), what the
+    temperature fit needs of a draft's distribution."""
+    top = logits.topk(min(CALIB_TOP_K, logits.shape[-1]), dim=-1).values
+    gaps = torch.full((logits.shape[0], CALIB_TOP_K), float("inf"))
+    gaps[:, :top.shape[1]] = top[:, :1] - top
+    return gaps
 
 
 def fit_temperature(samples) -> torch.Tensor:

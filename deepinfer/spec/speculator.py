@@ -117,7 +117,7 @@ class Speculator:
         rows = [qsl[i] + j for i, toks in enumerate(tokens) for j in range(len(toks))]
         firsts = list(itertools.accumulate([0] + [len(t) for t in tokens]))[:-1]
         flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64)
-        return Sampler.logprobs(logits[rows], flat, n), firsts
+        return Sampler.logprobs(logits, flat, n, rows), firsts
 
     def after_step(self, engine, batch, results) -> None:
         """Lets a drafter that works from the step's hidden states (MTP) draft for the next step."""
