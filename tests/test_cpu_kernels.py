@@ -22,8 +22,11 @@ def test_linear_bf16_matches_fp32_reference(m, k, n):
     assert linear_bf16(x.to(torch.bfloat16), w).dtype == torch.bfloat16
 
 
+# Threads take whole experts: 2 splits the 4 active experts, 5 leaves threads without one.
+@pytest.mark.parametrize("threads", [1, 2, 5])
 @pytest.mark.parametrize("limit", [float("inf"), 0.7])
-def test_grouped_experts_match_loop_reference(limit):
+def test_grouped_experts_match_loop_reference(limit, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(7)
     e, h, i = 6, 40, 24
     counts = torch.tensor([3, 0, 1, 5, 2, 0])
