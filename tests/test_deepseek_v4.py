@@ -496,3 +496,34 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(ckpt):
     d.add(0, prompt)
     ours = d.step([0], True)[0]
     assert (ours - ref).abs().max() <= 1.5 * (theirs - ref).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_hyper_connection_matches_transformers_modules(dtype):
+    """The C++ mHC kernels against transformers' DeepseekV4HyperConnection and its decoder layer's merge,
+    over 19 tokens (two full chunks of 8 and a ragged one): fp32 to rounding, bf16 to one bf16 step."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    from deepinfer.layers.hyper_connection import HyperConnection, hc_merge
+
+    cfg = tiny_config()
+    g = torch.Generator().manual_seed(3)
+    ref = DeepseekV4HyperConnection(cfg)
+    for p in ref.parameters():
+        p.data = torch.randn(p.shape, generator=g) * (0.05 if p.dim() == 2 else 0.5)
+    ours = HyperConnection(cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    ours.load_state_dict(ref.state_dict())
+    streams = torch.randn(1, 19, cfg.hc_mult, cfg.hidden_size, generator=g).to(dtype)
+    block_out = torch.randn(1, 19, cfg.hidden_size, generator=g).to(dtype)
+    with torch.no_grad():
+        post_r, comb_r, coll_r = ref(streams)
+        merged_r = post_r.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+            comb_r.to(dtype).transpose(-1, -2), streams)
+    post, comb, coll = ours(streams[0])
+    torch.testing.assert_close(post, post_r[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, comb_r[0], rtol=1e-5, atol=1e-6)
+    step = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # bf16 keeps 8 significant bits
+    torch.testing.assert_close(coll.float(), coll_r[0].float(), rtol=step, atol=1e-5)
+    merged = hc_merge(block_out[0], streams[0], post_r[0], comb_r[0])
+    torch.testing.assert_close(merged.float(), merged_r[0].float(), rtol=step, atol=1e-5)
+    assert merged.dtype == coll.dtype == dtype

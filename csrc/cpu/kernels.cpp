@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "cpu/gemm_bf16.h"
+#include "cpu/hyper_connection.h"
 
 namespace py = pybind11;
 using namespace deepinfer;
@@ -28,4 +29,25 @@ void bind_cpu_kernels(py::module_& m) {
       },
       py::call_guard<py::gil_scoped_release>(),
       "y[S,H] fp32: rows offsets[e]..offsets[e+1] of x [S,H] through SwiGLU expert e (w13 [E,2I,H], w2 [E,H,I] bf16), gate and up clamped at limit");
+  m.def(
+      "hc_pre",
+      [](uintptr_t streams, bool bf16, uintptr_t fn, uintptr_t base, uintptr_t scale, int64_t T, int64_t N, int64_t D,
+         int iters, float hc_eps, float norm_eps, uintptr_t post, uintptr_t comb, uintptr_t collapsed, int threads) {
+        hc_pre(reinterpret_cast<const void*>(streams), bf16, reinterpret_cast<const float*>(fn),
+               reinterpret_cast<const float*>(base), reinterpret_cast<const float*>(scale), T, N, D, iters, hc_eps,
+               norm_eps, reinterpret_cast<float*>(post), reinterpret_cast<float*>(comb),
+               reinterpret_cast<void*>(collapsed), threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "mHC pre-block: streams [T,N,D] -> post [T,N], comb [T,N,N] fp32, collapsed [T,D]");
+  m.def(
+      "hc_merge",
+      [](uintptr_t block_out, uintptr_t streams, bool bf16, uintptr_t post, uintptr_t comb, int64_t T, int64_t N,
+         int64_t D, uintptr_t out, int threads) {
+        hc_merge(reinterpret_cast<const void*>(block_out), reinterpret_cast<const void*>(streams), bf16,
+                 reinterpret_cast<const float*>(post), reinterpret_cast<const float*>(comb), T, N, D,
+                 reinterpret_cast<void*>(out), threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "mHC merge: out [T,N,D] = post (x) block_out + comb^T @ streams");
 }

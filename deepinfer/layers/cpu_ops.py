@@ -11,8 +11,9 @@ from deepinfer import _C
 SGEMM_MIN_ROWS = 256
 
 
-def _check(t: torch.Tensor, name: str, dtype: torch.dtype, dims: int) -> None:
-    if t.dtype != dtype or t.dim() != dims or not t.is_contiguous() or t.device.type != "cpu":
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) -> None:
+    if t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)) or t.dim() != dims or not t.is_contiguous() \
+            or t.device.type != "cpu":
         raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor with {dims} dims, "
                          f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
@@ -52,3 +53,42 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, w13.data_ptr(), w2.data_ptr(), y.data_ptr(),
                             h, two_i // 2, float(limit), torch.get_num_threads())
     return y
+
+
+STREAM_DTYPES = (torch.float32, torch.bfloat16)
+MAX_HC_STREAMS = 64  # the kernels keep one token's per-stream weights on the stack
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, N, D] fp32/bf16; fn [(2+N)N, N*D], base [(2+N)N], scale [3] fp32 -> post [T, N] fp32,
+    comb [T, N, N] fp32, collapsed [T, D] (streams' dtype). See csrc/cpu/hyper_connection.h."""
+    _check(streams, "streams", STREAM_DTYPES, 3)
+    t, n, d = streams.shape
+    for name, p, shape in (("fn", fn, ((2 + n) * n, n * d)), ("base", base, ((2 + n) * n,)), ("scale", scale, (3,))):
+        _check(p, name, torch.float32, len(shape))
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} for {n} streams of {d}, got {tuple(p.shape)}")
+    if n > MAX_HC_STREAMS:
+        raise ValueError(f"hc_mult = {n} streams; the kernel supports at most {MAX_HC_STREAMS}")
+    post, comb, collapsed = torch.empty(t, n), torch.empty(t, n, n), torch.empty(t, d, dtype=streams.dtype)
+    _C.hc_pre(streams.data_ptr(), streams.dtype == torch.bfloat16, fn.data_ptr(), base.data_ptr(), scale.data_ptr(),
+              t, n, d, iters, hc_eps, norm_eps, post.data_ptr(), comb.data_ptr(), collapsed.data_ptr(),
+              torch.get_num_threads())
+    return post, comb, collapsed
+
+
+def hc_merge(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """block_out [T, D], streams [T, N, D] (one dtype, fp32/bf16), post [T, N], comb [T, N, N] fp32 -> [T, N, D]."""
+    _check(streams, "streams", STREAM_DTYPES, 3)
+    _check(block_out, "block_out", streams.dtype, 2)
+    _check(post, "post", torch.float32, 2)
+    _check(comb, "comb", torch.float32, 3)
+    t, n, d = streams.shape
+    if block_out.shape != (t, d) or post.shape != (t, n) or comb.shape != (t, n, n) or n > MAX_HC_STREAMS:
+        raise ValueError(f"hc_merge shapes disagree: block_out {tuple(block_out.shape)}, streams {tuple(streams.shape)}, "
+                         f"post {tuple(post.shape)}, comb {tuple(comb.shape)}")
+    out = torch.empty_like(streams)
+    _C.hc_merge(block_out.data_ptr(), streams.data_ptr(), streams.dtype == torch.bfloat16, post.data_ptr(),
+                comb.data_ptr(), t, n, d, out.data_ptr(), torch.get_num_threads())
+    return out

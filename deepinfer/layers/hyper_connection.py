@@ -2,29 +2,18 @@
 and DeepseekV4HyperHead. The residual is `hc_mult` parallel streams [T, N, D]; each block reads one
 weighted collapse of them (pre), writes its output back spread over the streams (post), and the streams
 mix through a doubly-stochastic matrix (comb, projected by Sinkhorn-Knopp). All of it runs in fp32 (the
-checkpoint keeps these weights in fp32)."""
-import numpy as np
+checkpoint keeps these weights in fp32). HyperConnection and the merge run as fused C++ kernels
+(csrc/cpu/hyper_connection.cpp): as ~25 torch ops per call they cost more in dispatch than in math."""
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from deepinfer.layers import cpu_ops
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] -> x / rms(x) (statistic in fp32, result in x's dtype)."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """comb [T, N, N] fp32 > 0 -> doubly-stochastic (approximately): columns first, then (rows, columns)
-    iters-1 times, as the reference. In numpy: ~40 reductions on N x N matrices, where torch's per-op
-    dispatch (~8 us) costs more than the arithmetic (same fp32 operations)."""
-    c = comb.numpy().copy()
-    eps = np.float32(eps)
-    c /= c.sum(axis=-2, keepdims=True) + eps
-    for _ in range(iters - 1):
-        c /= c.sum(axis=-1, keepdims=True) + eps
-        c /= c.sum(axis=-2, keepdims=True) + eps
-    return torch.from_numpy(c)
 
 
 def _fp32_param(*shape) -> nn.Parameter:
@@ -47,25 +36,14 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, N, D] -> post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, D] (streams' dtype)."""
-        n = self.n
-        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn)
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = sinkhorn(comb, self.iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return cpu_ops.hc_pre(streams.contiguous(), self.fn, self.base, self.scale, self.iters, self.hc_eps,
+                              self.norm_eps)
 
 
 def hc_merge(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams [T, N, D] = post (x) block_out + comb^T @ streams (comb is read transposed: the Sinkhorn
     matrix is doubly stochastic but not symmetric)."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
-                                                                                 streams)
+    return cpu_ops.hc_merge(block_out.contiguous(), streams.contiguous(), post, comb)
 
 
 class HyperHead(nn.Module):

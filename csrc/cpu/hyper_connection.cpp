@@ -1,0 +1,174 @@
+#include "cpu/hyper_connection.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace deepinfer {
+namespace {
+
+inline float from_bf16(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion (NaN kept quiet).
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float round_to(float f, bool bf16) { return bf16 ? from_bf16(to_bf16(f)) : f; }
+
+// n values of p (float or bf16) from element i on -> dst fp32.
+void load_row(const void* p, int64_t i, int64_t n, bool bf16, float* dst) {
+  if (!bf16) return (void)std::memcpy(dst, static_cast<const float*>(p) + i, n * sizeof(float));
+  const uint16_t* src = static_cast<const uint16_t*>(p) + i;
+  for (int64_t k = 0; k < n; ++k) dst[k] = from_bf16(src[k]);
+}
+
+void store_row(void* p, int64_t i, int64_t n, bool bf16, const float* src) {
+  if (!bf16) return (void)std::memcpy(static_cast<float*>(p) + i, src, n * sizeof(float));
+  uint16_t* dst = static_cast<uint16_t*>(p) + i;
+  for (int64_t k = 0; k < n; ++k) dst[k] = to_bf16(src[k]);
+}
+
+// Four 8-lane accumulators: the FMA latency is hidden and the sum order is fixed for any n.
+float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32)
+    for (int u = 0; u < 4; ++u)
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8 * u), _mm256_loadu_ps(b + k + 8 * u), acc[u]);
+  __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  for (; k < n; ++k) s += a[k] * b[k];
+  return s;
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// c [N, N] > 0: columns normalised first, then (rows, columns) iters-1 times, each sum + eps.
+void sinkhorn(float* c, int64_t N, int iters, float eps) {
+  auto columns = [&] {
+    for (int64_t j = 0; j < N; ++j) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < N; ++i) s += c[i * N + j];
+      for (int64_t i = 0; i < N; ++i) c[i * N + j] /= s + eps;
+    }
+  };
+  columns();
+  for (int it = 1; it < iters; ++it) {
+    for (int64_t i = 0; i < N; ++i) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < N; ++j) s += c[i * N + j];
+      for (int64_t j = 0; j < N; ++j) c[i * N + j] /= s + eps;
+    }
+    columns();
+  }
+}
+
+// Tokens whose normalised streams are mixed together: each fn row is then read from memory once per
+// chunk instead of once per token (fn is 384 KB at N=4, D=1024; the chunk's streams stay in L2).
+constexpr int64_t CHUNK = 8;
+
+// post/comb/collapse of token t from its mixes [(2+N)N] and fp32 streams x [N*D]; scratch [D].
+void hc_finish_token(const float* mixes, const float* x, const float* base, const float* scale, int64_t t, int64_t N,
+                     int64_t D, int iters, float hc_eps, bool bf16, float* post, float* comb, void* collapsed,
+                     float* scratch) {
+  float pre[64];  // N <= 64 checked by the caller
+  for (int64_t n = 0; n < N; ++n) {
+    pre[n] = sigmoid(mixes[n] * scale[0] + base[n]) + hc_eps;
+    post[t * N + n] = 2.0f * sigmoid(mixes[N + n] * scale[1] + base[N + n]);
+  }
+  float* c = comb + t * N * N;
+  for (int64_t i = 0; i < N; ++i) {
+    const float* logit = mixes + 2 * N + i * N;
+    const float* bias = base + 2 * N + i * N;
+    float* row = c + i * N;
+    float mx = -INFINITY, s = 0.0f;
+    for (int64_t j = 0; j < N; ++j) mx = std::max(mx, row[j] = logit[j] * scale[2] + bias[j]);
+    for (int64_t j = 0; j < N; ++j) s += row[j] = std::exp(row[j] - mx);
+    for (int64_t j = 0; j < N; ++j) row[j] = row[j] / s + hc_eps;
+  }
+  sinkhorn(c, N, iters, hc_eps);
+  std::fill(scratch, scratch + D, 0.0f);  // the collapse, summed over streams in order
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t d = 0; d < D; ++d) scratch[d] += pre[n] * x[n * D + d];
+  store_row(collapsed, t * D, D, bf16, scratch);
+}
+
+// Tokens [t0, t0 + count), count <= CHUNK. x, xn [CHUNK, N*D] and mixes [CHUNK, (2+N)N] are scratch.
+void hc_pre_chunk(const void* streams, bool bf16, const float* fn, const float* base, const float* scale, int64_t t0,
+                  int64_t count, int64_t N, int64_t D, int iters, float hc_eps, float norm_eps, float* post,
+                  float* comb, void* collapsed, float* x, float* xn, float* mixes) {
+  const int64_t width = N * D, M = (2 + N) * N;
+  for (int64_t i = 0; i < count; ++i) {
+    float* xi = x + i * width;
+    load_row(streams, (t0 + i) * width, width, bf16, xi);
+    const float r = 1.0f / std::sqrt(dot(xi, xi, width) / static_cast<float>(width) + norm_eps);
+    for (int64_t k = 0; k < width; ++k) xn[i * width + k] = xi[k] * r;
+  }
+  for (int64_t j = 0; j < M; ++j)
+    for (int64_t i = 0; i < count; ++i) mixes[i * M + j] = dot(fn + j * width, xn + i * width, width);
+  for (int64_t i = 0; i < count; ++i)
+    hc_finish_token(mixes + i * M, x + i * width, base, scale, t0 + i, N, D, iters, hc_eps, bf16, post, comb,
+                    collapsed, xn);
+}
+
+// Tokens split across threads only when each gets enough work to beat the wake-up cost.
+int threads_for(int64_t T, int64_t work_per_token, int num_threads) {
+  return T * work_per_token >= (1 << 20) ? std::max(1, std::min<int>(num_threads, static_cast<int>(T))) : 1;
+}
+
+}  // namespace
+
+void hc_pre(const void* streams, bool bf16, const float* fn, const float* base, const float* scale, int64_t T,
+            int64_t N, int64_t D, int sinkhorn_iters, float hc_eps, float norm_eps, float* post, float* comb,
+            void* collapsed, int num_threads) {
+  const int64_t M = (2 + N) * N, chunks = (T + CHUNK - 1) / CHUNK;
+#pragma omp parallel num_threads(threads_for(T, M * N * D, num_threads))
+  {
+    std::vector<float> x(static_cast<size_t>(CHUNK * N * D)), xn(x.size()), mixes(static_cast<size_t>(CHUNK * M));
+#pragma omp for
+    for (int64_t c = 0; c < chunks; ++c)
+      hc_pre_chunk(streams, bf16, fn, base, scale, c * CHUNK, std::min(CHUNK, T - c * CHUNK), N, D, sinkhorn_iters,
+                   hc_eps, norm_eps, post, comb, collapsed, x.data(), xn.data(), mixes.data());
+  }
+}
+
+void hc_merge(const void* block_out, const void* streams, bool bf16, const float* post, const float* comb,
+              int64_t T, int64_t N, int64_t D, void* out, int num_threads) {
+#pragma omp parallel num_threads(threads_for(T, N * N * D, num_threads))
+  {
+    std::vector<float> s(static_cast<size_t>(N * D)), direct(static_cast<size_t>(D)), mix(static_cast<size_t>(D));
+#pragma omp for
+    for (int64_t t = 0; t < T; ++t) {
+      load_row(streams, t * N * D, N * D, bf16, s.data());
+      load_row(block_out, t * D, D, bf16, direct.data());
+      for (int64_t n = 0; n < N; ++n) {
+        // post and comb are rounded to the streams' type first, as `post.to(dtype)` and `comb.to(dtype)`.
+        const float p = round_to(post[t * N + n], bf16);
+        std::fill(mix.begin(), mix.end(), 0.0f);
+        for (int64_t m = 0; m < N; ++m) {
+          const float c = round_to(comb[(t * N + m) * N + n], bf16);
+          for (int64_t d = 0; d < D; ++d) mix[d] += c * s[m * D + d];
+        }
+        for (int64_t d = 0; d < D; ++d) mix[d] = round_to(p * direct[d], bf16) + round_to(mix[d], bf16);
+        store_row(out, (t * N + n) * D, D, bf16, mix.data());
+      }
+    }
+  }
+}
+
+}  // namespace deepinfer
