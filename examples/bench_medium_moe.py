@@ -84,10 +84,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     path = make()
     bw, flops = machine_rates()
-    llm = LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=max(args.batches), kv_cache_memory=512 << 20)
+    llm = LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=max(args.batches), kv_cache_memory=512 << 20,
+              num_threads=args.threads)  # the engine sets the process-wide count transformers runs with too
     cfg = llm.engine.hf_config
     ours = {b: deepinfer_decode_ms(llm, b) for b in args.batches}
     del llm

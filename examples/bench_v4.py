@@ -131,7 +131,6 @@ def main():
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--batches", default="1,16,64")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     if args.model is None:
         from make_medium_v4 import make
 
@@ -140,10 +139,13 @@ def main():
 
     cfg = AutoConfig.from_pretrained(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    common = dict(dtype="bfloat16", block_size=128, max_num_seqs=max(batches), kv_cache_memory=1 << 30)
+    # num_threads: the engine sets torch's (process-wide) thread count, which transformers then runs with too.
+    common = dict(dtype="bfloat16", block_size=128, max_num_seqs=max(batches), kv_cache_memory=1 << 30,
+                  num_threads=args.threads)
     ours = LLM(args.model, kv_cache_dtype="fp4", **common)
     ours_exact_bytes = ours_cache_bytes(LLM(args.model, **common), 4096)
     hf = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+    assert torch.get_num_threads() == args.threads, "both engines must run with the labelled thread count"
 
     rows = []
     ours_run(ours, prompts(1, args.prompt, cfg.vocab_size, 99), 3)  # warm-up
