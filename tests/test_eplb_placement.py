@@ -57,6 +57,19 @@ def test_map_to_physical_follows_the_documented_rule():
     assert pl.map_to_physical(topk).tolist() == [[0, 1], [2, 3], [5, 4], [0, 2]]
 
 
+def test_map_to_physical_without_redundancy_is_the_inverse_permutation():
+    g = torch.Generator().manual_seed(5)
+    phy2log = torch.stack([torch.randperm(8, generator=g), torch.arange(8)])  # layer 1: identity
+    pl = ExpertPlacement(phy2log, num_gpus=2)
+    assert pl.single == [True, True]
+    topk = torch.randint(0, 8, (5, 3), generator=g)
+    for layer in (0, 1):
+        phys = pl.map_to_physical(topk, layer)
+        assert phys.shape == topk.shape and torch.equal(pl.phy2log[layer][phys], topk)
+    assert torch.equal(pl.map_to_physical(topk, 1), topk)
+    assert ExpertPlacement(torch.tensor([[0, 1, 0, 2]]), num_gpus=2).single == [False]
+
+
 def test_recorder_counts_equal_a_recount():
     g = torch.Generator().manual_seed(3)
     L, E, W = 3, 10, 4
