@@ -7,6 +7,8 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu/bf16.h"
+
 namespace deepinfer {
 namespace {
 
@@ -20,13 +22,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
 }
 
 // An R x C tile of out: rows m0.. of x against weight rows n0.. . R*C independent FMA chains hide
@@ -53,7 +48,7 @@ void tile(const float* x, const uint16_t* w, float* out, int64_t m0, int64_t n0,
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       float s = hsum(acc[r][c]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[(m0 + r) * K + kk] * bf16_to_float(w[(n0 + c) * K + kk]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[(m0 + r) * K + kk] * from_bf16(w[(n0 + c) * K + kk]);
       out[(m0 + r) * N + n0 + c] = s;
     }
 }
@@ -137,7 +132,7 @@ void wide_tile(const float* xt, const float* panel, int64_t K, float (*acc_out)[
 void widen_rows(const uint16_t* w, float* panel, int64_t rows, int64_t K) {
   int64_t i = 0;
   for (; i + 8 <= rows * K; i += 8) _mm256_storeu_ps(panel + i, load_bf16x8(w + i));
-  for (; i < rows * K; ++i) panel[i] = bf16_to_float(w[i]);
+  for (; i < rows * K; ++i) panel[i] = from_bf16(w[i]);
 }
 
 void wide_range(const float* xt, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
@@ -180,6 +175,25 @@ void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t
     int64_t chunk = ((N + T - 1) / T + 23) / 24 * 24;  // whole column blocks of every tile shape
     range(std::min<int64_t>(N, t * chunk), std::min<int64_t>(N, (t + 1) * chunk));
   }
+}
+
+void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,
+                 int64_t K, int64_t N, int num_threads) {
+  std::vector<float> xf, of;
+  const float* xp = static_cast<const float*>(x);
+  float* op = static_cast<float*>(out);
+  if (bf16_io) {
+    xf.resize(static_cast<size_t>(M * K));
+    load_row(x, 0, M * K, true, xf.data());
+    xp = xf.data();
+    of.resize(static_cast<size_t>(M * N));
+    op = of.data();
+  }
+  gemm_bf16(xp, w, op, M, K, N, num_threads);
+  if (bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) op[m * N + n] += from_bf16(bias[n]);
+  if (bf16_io) store_row(out, 0, M * N, true, op);
 }
 
 void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2, float* y, float* scratch,

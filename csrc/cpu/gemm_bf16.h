@@ -13,6 +13,12 @@ namespace deepinfer {
 void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
                int num_threads);
 
+// out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], bf16 or null), accumulated in fp32; x and out are both fp32,
+// or both bf16 when bf16_io (widened on entry, rounded to nearest even once on exit: torch's
+// `F.linear(x.float(), w.float(), b.float()).to(bf16)` without its three conversion passes).
+void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,
+                 int64_t K, int64_t N, int num_threads);
+
 // One SwiGLU expert group: y[M,H] = (silu(min(g, limit)) * clamp(u, -limit, limit)) w2^T with
 // [g | u] = x w13^T, w13 = [w1; w3] as [2I, H] bf16 and w2 [H, I] bf16 (limit = +inf: plain SwiGLU,
 // finite: DeepSeek-V4's swiglu_limit). scratch must hold M * 2I floats.

@@ -12,13 +12,14 @@ using namespace deepinfer;
 
 void bind_cpu_kernels(py::module_& m) {
   m.def(
-      "gemm_bf16",
-      [](uintptr_t x, uintptr_t w, uintptr_t out, int64_t M, int64_t K, int64_t N, int threads) {
-        gemm_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(w),
-                  reinterpret_cast<float*>(out), M, K, N, threads);
+      "linear_bf16",
+      [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, bool bf16_io, int64_t M, int64_t K, int64_t N,
+         int threads) {
+        linear_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const uint16_t*>(w),
+                    reinterpret_cast<const uint16_t*>(bias), reinterpret_cast<void*>(out), bf16_io, M, K, N, threads);
       },
       py::call_guard<py::gil_scoped_release>(),
-      "out[M,N] fp32 = x[M,K] fp32 @ w[N,K]^T bf16 (contiguous)");
+      "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N] bf16, 0 for none); x and out both fp32 or both bf16 (bf16_io)");
   m.def(
       "grouped_experts_bf16",
       [](uintptr_t x, uintptr_t offsets, int64_t E, uintptr_t w13, uintptr_t w2, uintptr_t y, int64_t H, int64_t I,

@@ -9,6 +9,8 @@ from deepinfer import _C
 # our kernel's wide path, and beats it further up (M=1024: 0.92x, 2048: 0.68x of its time; K=N=1024,
 # measured on the 2-core AVX2 machines).
 SGEMM_MIN_ROWS = 256
+# Activation dtypes the kernels read and write directly (others go through fp32 copies).
+STREAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) -> None:
@@ -19,20 +21,27 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) ->
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] any float dtype; w [N, K] bf16; bias [N] or None -> [..., N] in x.dtype (fp32 accumulation)."""
+    """x [..., K] any float dtype; w [N, K] bf16; bias [N] bf16 or None -> [..., N] in x.dtype (fp32
+    accumulation, one rounding to x.dtype)."""
     _check(w, "weight", torch.bfloat16, 2)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
-    x2 = x.reshape(-1, k).float().contiguous()
-    if x2.shape[0] >= SGEMM_MIN_ROWS:
-        out = F.linear(x2, w.float())
-    else:
-        out = torch.empty(x2.shape[0], n)
-        _C.gemm_bf16(x2.data_ptr(), w.data_ptr(), out.data_ptr(), x2.shape[0], k, n, torch.get_num_threads())
     if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+        _check(bias, "bias", torch.bfloat16, 1)
+        if bias.shape[0] != n:
+            raise ValueError(f"bias has {bias.shape[0]} entries, weight has {n} outputs")
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] >= SGEMM_MIN_ROWS or x.dtype not in STREAM_DTYPES:
+        out = F.linear(x2.float(), w.float())
+        if bias is not None:
+            out += bias.float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], n)
+    x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    _C.linear_bf16(x2.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                   x.dtype == torch.bfloat16, x2.shape[0], k, n, torch.get_num_threads())
+    return out.reshape(*x.shape[:-1], n)
 
 
 def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -55,7 +64,6 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     return y
 
 
-STREAM_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HC_STREAMS = 64  # the kernels keep one token's per-stream weights on the stack
 
 
