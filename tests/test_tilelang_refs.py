@@ -225,3 +225,23 @@ def test_dispatch_cpu_uses_reference():
     assert get_op("verify_len", "reference") is verify_len_ref
     with pytest.raises(ValueError, match="unknown op"):
         get_op("nope")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [dict(), dict(B=5, H=16, D=128, W=16, K=9), dict(K=0), dict(D=37, W=3)])
+def test_dispatch_cpu_decode_attention_is_the_cpp_kernel_and_matches_the_reference(dtype, shape, monkeypatch):
+    """On CPU tensors the op is deepinfer's C++ kernel (a full ring, an empty ring, rows with only the sink,
+    no compressed entries, a head dim that is not a multiple of the vector width); it agrees with the torch
+    reference to fp32 rounding, or to one bf16 step after the single rounding of the result."""
+    from deepinfer.layers import cpu_ops
+
+    q, ring, ring_len, comp, valid, sinks, scale = attention_case(**shape)
+    q, ring, comp = q.to(dtype), ring.to(dtype), comp.to(dtype)
+    calls, kernel = [], cpu_ops.v4_decode_attention
+    monkeypatch.setattr(cpu_ops, "v4_decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    out = get_op("v4_decode_attention")(q, ring, ring_len, comp, valid, sinks, scale)
+    ref = v4_decode_attention_ref(q, ring, ring_len, comp, valid, sinks, scale)
+    assert calls and out.dtype == dtype
+    tol = dict(rtol=2 ** -7, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # nothing valid: exactly zero

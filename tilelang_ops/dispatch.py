@@ -1,5 +1,6 @@
 """The one dispatch point: get_op(name) -> callable that runs the TileLang kernel when its tensors are on
-CUDA and the torch reference everywhere else (the C target is for tests, not for the CPU engine)."""
+CUDA; on CPU tensors the op's C++ CPU kernel where it has one (CPU_KERNELS), else the torch reference
+(the TileLang C target is for tests, not for the CPU engine)."""
 import importlib
 
 import torch
@@ -14,6 +15,11 @@ OPS = {
     "apply_token_mask": ("token_mask", "apply_token_mask", "apply_token_mask_ref"),
 }
 
+# name -> "module:function" of a C++ CPU kernel with the reference's arguments and result.
+CPU_KERNELS = {
+    "v4_decode_attention": "deepinfer.layers.cpu_ops:v4_decode_attention",
+}
+
 
 def _first_tensor(args, kwargs):
     for a in list(args) + list(kwargs.values()):
@@ -23,7 +29,7 @@ def _first_tensor(args, kwargs):
 
 
 def get_op(name: str, impl: str = "auto"):
-    """impl: 'auto' (kernel on CUDA tensors, reference otherwise), 'kernel' or 'reference'."""
+    """impl: 'auto' (kernel on CUDA tensors, else the CPU kernel or the reference), 'kernel' or 'reference'."""
     if name not in OPS:
         raise ValueError(f"unknown op {name!r}; known: {sorted(OPS)}")
     if impl not in ("auto", "kernel", "reference"):
@@ -33,9 +39,14 @@ def get_op(name: str, impl: str = "auto"):
     if impl != "auto":
         return getattr(m, kern if impl == "kernel" else ref)
 
+    cpu = getattr(m, ref)
+    if name in CPU_KERNELS:
+        cpu_mod, cpu_fn = CPU_KERNELS[name].split(":")
+        cpu = getattr(importlib.import_module(cpu_mod), cpu_fn)
+
     def op(*args, **kwargs):
         t = _first_tensor(args, kwargs)
-        fn = getattr(m, kern) if t is not None and t.is_cuda else getattr(m, ref)
+        fn = getattr(m, kern) if t is not None and t.is_cuda else cpu
         return fn(*args, **kwargs)
     op.__name__ = name
     return op

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cpu/decode_attention.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/hyper_connection.h"
 
@@ -51,4 +52,15 @@ void bind_cpu_kernels(py::module_& m) {
       },
       py::call_guard<py::gil_scoped_release>(),
       "mHC merge: out [T,N,D] = post (x) block_out + comb^T @ streams");
+  m.def(
+      "v4_decode_attention",
+      [](uintptr_t q, uintptr_t ring, uintptr_t ring_len, uintptr_t comp, uintptr_t comp_valid, uintptr_t sinks,
+         float scale, uintptr_t out, bool bf16, int64_t B, int64_t H, int64_t D, int64_t W, int64_t K, int threads) {
+        v4_decode_attention(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(ring),
+                            reinterpret_cast<const int64_t*>(ring_len), reinterpret_cast<const void*>(comp),
+                            reinterpret_cast<const uint8_t*>(comp_valid), reinterpret_cast<const float*>(sinks), scale,
+                            reinterpret_cast<void*>(out), bf16, B, H, D, W, K, threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "DeepSeek-V4 decode attention: q [B,H,D] over ring [B,W,D] (first ring_len rows) and comp [B,K,D] where valid");
 }

@@ -100,3 +100,27 @@ def hc_merge(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     _C.hc_merge(block_out.data_ptr(), streams.data_ptr(), streams.dtype == torch.bfloat16, post.data_ptr(),
                 comb.data_ptr(), t, n, d, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def v4_decode_attention(q: torch.Tensor, ring: torch.Tensor, ring_len: torch.Tensor, comp: torch.Tensor,
+                        comp_valid: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D], ring [B, W, D], ring_len [B], comp [B, K, D], comp_valid [B, K], sinks [H] -> [B, H, D]:
+    the CPU implementation of tilelang_ops.v4_decode_attention's op (same arguments and result)."""
+    if q.dtype not in STREAM_DTYPES or ring.dtype != q.dtype or comp.dtype != q.dtype:
+        raise ValueError(f"v4_decode_attention: q/ring/comp must share dtype float32 or bfloat16, got "
+                         f"{q.dtype}/{ring.dtype}/{comp.dtype}")
+    B, H, D = q.shape
+    W, K = ring.shape[1], comp.shape[1]
+    if ring.shape != (B, W, D) or comp.shape != (B, K, D) or ring_len.shape != (B,) or comp_valid.shape != (B, K) \
+            or sinks.shape != (H,):
+        raise ValueError(f"v4_decode_attention shapes disagree: q {tuple(q.shape)}, ring {tuple(ring.shape)}, "
+                         f"ring_len {tuple(ring_len.shape)}, comp {tuple(comp.shape)}, comp_valid "
+                         f"{tuple(comp_valid.shape)}, sinks {tuple(sinks.shape)}")
+    q, ring, comp = q.contiguous(), ring.contiguous(), comp.contiguous()
+    lens, valid = ring_len.to(torch.int64).contiguous(), comp_valid.to(torch.uint8).contiguous()
+    sinks32 = sinks.float().contiguous()
+    out = torch.empty_like(q)
+    _C.v4_decode_attention(q.data_ptr(), ring.data_ptr(), lens.data_ptr(), comp.data_ptr(), valid.data_ptr(),
+                           sinks32.data_ptr(), float(scale), out.data_ptr(), q.dtype == torch.bfloat16, B, H, D, W, K,
+                           torch.get_num_threads())
+    return out

@@ -1,0 +1,16 @@
+#pragma once
+// DeepSeek-V4 decode attention on the CPU (tilelang_ops/v4_decode_attention.py states the math; its torch
+// reference spends most of its ~1.8 ms per medium-model layer at batch 16 on copies and dispatch).
+// One query row per sequence, H heads over one shared K=V set: the sequence's valid window rows and
+// compressed entries, widened to fp32 once and read by every head; the per-head sink joins the softmax.
+#include <cstdint>
+
+namespace deepinfer {
+
+// q [B, H, D], ring [B, W, D], comp [B, K, D] (all float, or all bf16 when bf16), ring_len [B] int64,
+// comp_valid [B, K] uint8, sinks [H] fp32 -> out [B, H, D] in q's type (zero where nothing is valid).
+void v4_decode_attention(const void* q, const void* ring, const int64_t* ring_len, const void* comp,
+                         const uint8_t* comp_valid, const float* sinks, float scale, void* out, bool bf16, int64_t B,
+                         int64_t H, int64_t D, int64_t W, int64_t K, int num_threads);
+
+}  // namespace deepinfer
