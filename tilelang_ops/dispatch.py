@@ -39,14 +39,17 @@ def get_op(name: str, impl: str = "auto"):
     if impl != "auto":
         return getattr(m, kern if impl == "kernel" else ref)
 
-    cpu = getattr(m, ref)
-    if name in CPU_KERNELS:
-        cpu_mod, cpu_fn = CPU_KERNELS[name].split(":")
-        cpu = getattr(importlib.import_module(cpu_mod), cpu_fn)
+    cpu_kernel = CPU_KERNELS.get(name)
 
-    def op(*args, **kwargs):
+    def op(*args, **kwargs):  # resolved per call, so a patched kernel or reference is the one that runs
         t = _first_tensor(args, kwargs)
-        fn = getattr(m, kern) if t is not None and t.is_cuda else cpu
+        if t is not None and t.is_cuda:
+            fn = getattr(m, kern)
+        elif cpu_kernel:
+            mod_name, fn_name = cpu_kernel.split(":")
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+        else:
+            fn = getattr(m, ref)
         return fn(*args, **kwargs)
     op.__name__ = name
     return op
