@@ -106,16 +106,14 @@ def v4_decode_attention(q: torch.Tensor, ring: torch.Tensor, ring_len: torch.Ten
                         comp_valid: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D], ring [B, W, D], ring_len [B], comp [B, K, D], comp_valid [B, K], sinks [H] -> [B, H, D]:
     the CPU implementation of tilelang_ops.v4_decode_attention's op (same arguments and result)."""
+    from tilelang_ops.v4_decode_attention import _validate  # the op's one shape check, shared with its kernels
+
+    _validate(q, ring, ring_len, comp, comp_valid, sinks)
     if q.dtype not in STREAM_DTYPES or ring.dtype != q.dtype or comp.dtype != q.dtype:
         raise ValueError(f"v4_decode_attention: q/ring/comp must share dtype float32 or bfloat16, got "
                          f"{q.dtype}/{ring.dtype}/{comp.dtype}")
     B, H, D = q.shape
     W, K = ring.shape[1], comp.shape[1]
-    if ring.shape != (B, W, D) or comp.shape != (B, K, D) or ring_len.shape != (B,) or comp_valid.shape != (B, K) \
-            or sinks.shape != (H,):
-        raise ValueError(f"v4_decode_attention shapes disagree: q {tuple(q.shape)}, ring {tuple(ring.shape)}, "
-                         f"ring_len {tuple(ring_len.shape)}, comp {tuple(comp.shape)}, comp_valid "
-                         f"{tuple(comp_valid.shape)}, sinks {tuple(sinks.shape)}")
     q, ring, comp = q.contiguous(), ring.contiguous(), comp.contiguous()
     lens, valid = ring_len.to(torch.int64).contiguous(), comp_valid.to(torch.uint8).contiguous()
     sinks32 = sinks.float().contiguous()

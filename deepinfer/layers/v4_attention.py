@@ -456,7 +456,7 @@ class V4Attention(nn.Module):
             else:
                 self.compressor = HCACompressor(cfg.hidden_size, self.head_dim, rate, self.eps, dtype)
         self.ring: torch.Tensor | None = None  # state pool [slots, ring_len, D]
-        self.attend = get_op("v4_decode_attention")  # the TileLang kernel on CUDA, its torch reference here
+        self.attend = get_op("v4_decode_attention")  # TileLang kernel on CUDA, C++ kernel on the CPU
 
     @property
     def indexer(self) -> Indexer | None:
