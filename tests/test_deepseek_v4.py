@@ -527,3 +527,21 @@ def test_fused_hyper_connection_matches_transformers_modules(dtype):
     merged = hc_merge(block_out[0], streams[0], post_r[0], comb_r[0])
     torch.testing.assert_close(merged.float(), merged_r[0].float(), rtol=step, atol=1e-5)
     assert merged.dtype == coll.dtype == dtype
+
+
+def test_input_projections_share_one_fused_weight(ckpt):
+    """After loading, every attention layer's projections of the block input (q_a, kv, compressor and
+    indexer kv / gate, indexer head weights) are views of one fused weight, holding the checkpoint's values."""
+    path, hf = ckpt
+    model = load_ours(path)
+    kinds = set()
+    for ours, theirs in zip(model.model.layers, hf.model.layers):
+        attn = ours.self_attn
+        fused, mods = attn.input_weight, attn.input_projections()
+        kinds.add(len(mods))
+        assert fused.shape[0] == sum(m.weight.shape[0] for m in mods)
+        for m in mods:
+            assert m.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+        assert torch.equal(attn.q_a_proj.weight, theirs.self_attn.q_a_proj.weight)
+        assert torch.equal(attn.kv_proj.weight, theirs.self_attn.kv_proj.weight)
+    assert kinds == {2, 4, 7}  # sliding, HCA, CSA

@@ -183,10 +183,6 @@ class Compressor(nn.Module):
     def bind(self, pool: EntryPool, kv_ring: torch.Tensor, gate_ring: torch.Tensor) -> None:
         self.pool, self.kv_ring, self.gate_ring = pool, kv_ring, gate_ring
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> kv, raw gate [T, width] (model dtype)."""
-        return self.kv_proj(x), self.gate_proj(x)
-
     def pool_windows(self, kv, gate_raw, window_ids) -> torch.Tensor:
         """kv, gate_raw [n, m, width] of windows window_ids [n] -> entries [n, dim] (normed, roped).
         HCA: m = rate, the window's tokens. CSA: m = 2*rate, positions (w-1)*rate .. (w+1)*rate - 1: the
@@ -386,9 +382,10 @@ class Indexer(Compressor):
         self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype)
         self.scorer = IndexerScorer(cfg.hidden_size, cfg.index_n_heads, dtype)
 
-    def scores(self, q_res, x, cos, sin, keys) -> torch.Tensor:
-        """q_res [N, q_lora], x [N, H], cos/sin [N, rd/2], keys [N, E, Di] (decode: per sequence) or [E, Di]
-        (prefill: one sequence's keys for all its queries) -> fp32 scores [N, E]."""
+    def scores(self, q_res, head_w, cos, sin, keys) -> torch.Tensor:
+        """q_res [N, q_lora], head_w [N, Hi] (weights_proj of the block input), cos/sin [N, rd/2], keys
+        [N, E, Di] (decode: per sequence) or [E, Di] (prefill: one sequence's keys for all its queries)
+        -> fp32 scores [N, E]."""
         N = q_res.shape[0]
         q = self.q_b_proj(q_res).view(N, self.n_heads, self.dim)
         q = apply_rope(q, cos[:, None], sin[:, None]).float()
@@ -397,7 +394,7 @@ class Indexer(Compressor):
         else:
             s = torch.bmm(q, keys.float().transpose(1, 2))
         s = F.relu(s) * self.dim ** -0.5  # [N, Hi, E]
-        w = self.scorer.weights_proj(x).float() * self.n_heads ** -0.5
+        w = head_w.float() * self.n_heads ** -0.5
         return (s * w.unsqueeze(-1)).sum(dim=1)
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,29 +454,60 @@ class V4Attention(nn.Module):
                 self.compressor = HCACompressor(cfg.hidden_size, self.head_dim, rate, self.eps, dtype)
         self.ring: torch.Tensor | None = None  # state pool [slots, ring_len, D]
         self.attend = get_op("v4_decode_attention")  # TileLang kernel on CUDA, C++ kernel on the CPU
+        self.input_weight: torch.Tensor | None = None  # fuse_input_projections() after loading
+        self.input_splits: list[int] = []
 
     @property
     def indexer(self) -> Indexer | None:
         return getattr(self.compressor, "indexer", None)
 
+    def input_projections(self) -> list[Linear]:
+        """The projections of the block input x: q_a, kv, then the compressor's kv and gate, then the
+        indexer's kv, gate and head weights (those the layer type has)."""
+        mods = [self.q_a_proj, self.kv_proj]
+        if self.compressor is not None:
+            mods += [self.compressor.kv_proj, self.compressor.gate_proj]
+        if self.indexer is not None:
+            mods += [self.indexer.kv_proj, self.indexer.gate_proj, self.indexer.scorer.weights_proj]
+        return mods
+
+    def fuse_input_projections(self) -> None:
+        """Once the weights are loaded: one [sum of outputs, H] weight for all input_projections(), each
+        module's weight becoming a view of its rows (no second copy). One GEMM per layer instead of up to
+        seven, most of them narrow (128 or 16 outputs), which the CPU GEMM runs at half its rate at decode
+        batch sizes."""
+        mods = self.input_projections()
+        self.input_weight = torch.cat([m.weight.data for m in mods])
+        self.input_splits = [m.weight.shape[0] for m in mods]
+        for m, view in zip(mods, self.input_weight.split(self.input_splits)):
+            m.weight.data = view
+
+    def project_input(self, x: torch.Tensor) -> tuple:
+        """x [T, H] -> (q_a [T, q_lora], kv [T, D], comp): comp is () for sliding layers, else ((kv, raw gate)
+        of the compressor, (kv, raw gate, head weights) of the indexer or None)."""
+        if self.input_weight is None:
+            raise RuntimeError("V4Attention.fuse_input_projections() must run after the weights are loaded")
+        out = linear(x, self.input_weight).split(self.input_splits, dim=-1)
+        if self.compressor is None:
+            return out[0], out[1], ()
+        return out[0], out[1], (out[2:4], out[4:7] if self.indexer is not None else None)
+
     def forward(self, x, positions, cos, sin, meta, replay_start: int | None = None) -> torch.Tensor:
         """x [T, H] (normed block input), cos/sin [T, rd/2] of this layer's rope type -> [T, H]."""
         T = x.shape[0]
-        q_res = self.q_a_norm(self.q_a_proj(x))
+        q_a, kv, comp = self.project_input(x)
+        q_res = self.q_a_norm(q_a)
         q = unweighted_rms_norm(self.q_b_proj(q_res).view(T, self.n_heads, self.head_dim), self.eps)
         q = apply_rope(q, cos[:, None], sin[:, None])
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
-        comp = ()
-        if self.compressor is not None:
-            comp = (self.compressor.project(x), self.indexer.project(x) if self.indexer else None)
+        kv = apply_rope(self.kv_norm(kv), cos, sin)
         if meta.is_prefill:
-            out = torch.cat([self._prefill_seq(i, q, kv, x, q_res, cos, sin, comp, meta, replay_start)
+            out = torch.cat([self._prefill_seq(i, q, kv, q_res, cos, sin, comp, meta, replay_start)
                              for i in range(meta.num_seqs)])
         else:
             if meta.max_query_len > self.ring.shape[1] - self.window:
                 raise ValueError(f"a verify step of {meta.max_query_len} tokens could not be rolled back: the "
                                  "model's max_backtracking must be at least that before cache_spec()")
-            out = self._decode(q, kv, x, q_res, cos, sin, comp, meta)
+            out = self._decode(q, kv, q_res, cos, sin, comp, meta)
         out = apply_rope(out, cos[:, None], -sin[:, None])  # K=V carried rope into V: rotate it back
         return self._output(out)
 
@@ -493,15 +521,15 @@ class V4Attention(nn.Module):
 
     # ---- prefill: one sequence at a time, dense tiles over its keys --------------------------------------
 
-    def _prefill_seq(self, i, q, kv, x, q_res, cos, sin, comp, meta, replay_start):
+    def _prefill_seq(self, i, q, kv, q_res, cos, sin, comp, meta, replay_start):
         a, b = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
         S, ctx = b - a, int(meta.context_lens[i])
         p0, slot, table = ctx - S, int(meta.state_slots[i]), meta.block_tables[i]
         pos = meta.positions[a:b]
         entries = visible = None
         if self.compressor is not None:
-            entries, visible = self._prefill_compressed(a, b, p0, ctx, slot, table, pos, x, q_res, cos, sin,
-                                                        comp, replay_start is None)
+            entries, visible = self._prefill_compressed(a, b, p0, ctx, slot, table, pos, q_res, cos, sin, comp,
+                                                        replay_start is None)
         lo = max(0, p0 - self.window + 1, replay_start or 0)
         # ring_len = window + mb rows, window - 1 of them read before p0: rolled-back drafts never
         # clobber those (write_ring); this chunk's own keys come from kv, not from the ring
@@ -510,13 +538,13 @@ class V4Attention(nn.Module):
         write_ring(self.ring, slot, p0, kv[a:b])
         return out
 
-    def _prefill_compressed(self, a, b, p0, ctx, slot, table, pos, x, q_res, cos, sin, comp, emit):
+    def _prefill_compressed(self, a, b, p0, ctx, slot, table, pos, q_res, cos, sin, comp, emit):
         """Write the windows this chunk closes, then return all of the sequence's entries [n, D] and which
         of them each query sees [S, n] (HCA: causal; CSA: the indexer's top-k)."""
         (ckv, cgate), idx_proj = comp
         self.compressor.prefill_update(ckv[a:b], cgate[a:b], p0, slot, table, emit)
         if self.indexer is not None:  # before its first window too: later windows pool these tokens
-            ikv, igate = idx_proj
+            ikv, igate, _ = idx_proj
             self.indexer.prefill_update(ikv[a:b], igate[a:b], p0, slot, table, emit)
         n = ctx // self.compressor.rate
         if n == 0:
@@ -527,9 +555,9 @@ class V4Attention(nn.Module):
         if self.indexer is None:
             return entries, w[None, :] < n_seen[:, None]
         keys = self.indexer.pool.read(self.indexer.pool.rows(table[None], w[None])[0])
-        return entries, self._indexer_chosen(a, x, q_res, cos, sin, keys, n_seen)
+        return entries, self._indexer_chosen(a, idx_proj[2], q_res, cos, sin, keys, n_seen)
 
-    def _indexer_chosen(self, a, x, q_res, cos, sin, keys, n_seen) -> torch.Tensor:
+    def _indexer_chosen(self, a, head_w, q_res, cos, sin, keys, n_seen) -> torch.Tensor:
         """Which of the n entries (indexer keys [n, Di]) each of the queries a.. keeps -> [S, n]. Query j
         ranks its n_seen[j] visible entries as the reference's prefill does."""
         S, n = len(n_seen), keys.shape[0]
@@ -537,7 +565,7 @@ class V4Attention(nn.Module):
         for c0 in range(0, S, PREFILL_QUERY_CHUNK):  # tiles bound the [C, Hi, n] score tensor
             c1 = min(c0 + PREFILL_QUERY_CHUNK, S)
             rows = slice(a + c0, a + c1)
-            scores = self.indexer.scores(q_res[rows], x[rows], cos[rows], sin[rows], keys)
+            scores = self.indexer.scores(q_res[rows], head_w[rows], cos[rows], sin[rows], keys)
             idx, valid = self.indexer.select(scores, torch.arange(n)[None, :] < n_seen[c0:c1, None])
             chosen[c0:c1] = torch.zeros(c1 - c0, n, dtype=torch.bool).scatter_(1, idx, valid)
         return chosen
@@ -579,7 +607,7 @@ class V4Attention(nn.Module):
 
     # ---- decode and verify: one row per query token, batched ----------------------------------------------
 
-    def _decode(self, q, kv, x, q_res, cos, sin, comp, meta) -> torch.Tensor:
+    def _decode(self, q, kv, q_res, cos, sin, comp, meta) -> torch.Tensor:
         """q [N, H, D]: sequence r's 1 + l_r query rows at consecutive positions p0..p0 + l_r (l_r < mb; 0
         without speculation), each row a query with its own position and its sequence's slot and table."""
         pos = meta.positions
@@ -596,25 +624,25 @@ class V4Attention(nn.Module):
         window = self.ring[slots[:, None], recent % ring_len]  # [N, W, D]
         entries = seen = None
         if self.compressor is not None:
-            entries, seen = self._decode_compressed(pos, slots, tables, x, q_res, cos, sin, comp)
+            entries, seen = self._decode_compressed(pos, slots, tables, q_res, cos, sin, comp)
         if entries is None:
             entries, seen = window[:, :0], torch.zeros(len(pos), 0, dtype=torch.bool)
         return self.attend(q, window, (pos + 1).clamp(max=self.window), entries, seen, self.sinks, self.scale)
 
-    def _decode_compressed(self, pos, slots, tables, x, q_res, cos, sin, comp):
+    def _decode_compressed(self, pos, slots, tables, q_res, cos, sin, comp):
         (ckv, cgate), idx_proj = comp
         rate = self.compressor.rate
         self.compressor.decode_update(ckv, cgate, pos, slots, tables)
         n = (pos + 1) // rate
         E = int(n.max())
         if self.indexer is not None:
-            self.indexer.decode_update(*idx_proj, pos, slots, tables)
+            self.indexer.decode_update(*idx_proj[:2], pos, slots, tables)
         if E == 0:
             return None, None
         w = torch.arange(E)[None, :].expand(len(pos), E)
         seen = w < n[:, None]
         if self.indexer is not None:
             keys = self.indexer.pool.read(self.indexer.pool.rows(tables, w))
-            scores = self.indexer.scores(q_res, x, cos, sin, keys)
+            scores = self.indexer.scores(q_res, idx_proj[2], cos, sin, keys)
             w, seen = self.indexer.select_decode(scores, n)
         return self.compressor.pool.read(self.compressor.pool.rows(tables, w)), seen

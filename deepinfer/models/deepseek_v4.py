@@ -460,6 +460,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         loader.finish()
         if mtp:
             self._load_mtp(n_mtp, mtp)
+        for m in self.modules():
+            if isinstance(m, V4Attention):
+                m.fuse_input_projections()
 
     def _load_mtp(self, n: int, tensors: list) -> None:
         """Checkpoints without MTP tensors (transformers saves none) get no MTP layers; a checkpoint with
