@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from deepinfer.engine.cache_spec import CacheTensor
 from deepinfer.layers.attention_metadata import AttentionMetadata
@@ -459,8 +460,12 @@ def test_cache_spec_layout_and_memory_plan():
 
 def test_routing_softmax_and_grouped_experts_match_per_token_loop():
     """softmax scoring (which transformers' V4 cannot instantiate) and the expert grouping, against a
-    plain per-token reference."""
-    from deepinfer.models.deepseek_v4 import MoE, swiglu_clamped
+    plain per-token reference (the shared expert included)."""
+    from deepinfer.models.deepseek_v4 import MoE
+
+    def expert(w13, w2, x):
+        gate, up = (w13 @ x).chunk(2)
+        return w2 @ (F.silu(gate.clamp(max=0.7)) * up.clamp(-0.7, 0.7))
 
     cfg = tiny_config(scoring_func="softmax", swiglu_limit=0.7)
     moe = MoE(cfg, is_hash=False, dtype=torch.float32)
@@ -474,10 +479,9 @@ def test_routing_softmax_and_grouped_experts_match_per_token_loop():
         probs = torch.softmax(moe.gate.weight @ x[t], dim=-1)
         ids = torch.topk(probs + moe.gate.e_score_correction_bias, cfg.num_experts_per_tok).indices
         w = probs[ids] / probs[ids].sum() * cfg.routed_scaling_factor
-        y = moe.shared_experts(x[t:t + 1])[0]
+        y = expert(moe.shared_experts.gate_up_proj[0], moe.shared_experts.down_proj[0], x[t])
         for e, we in zip(ids, w):
-            gate, up = (moe.experts.gate_up_proj[e] @ x[t]).chunk(2)
-            y = y + we * (moe.experts.down_proj[e] @ swiglu_clamped(gate, up, 0.7))
+            y = y + we * expert(moe.experts.gate_up_proj[e], moe.experts.down_proj[e], x[t])
         ref.append(y)
     torch.testing.assert_close(got, torch.stack(ref), rtol=1e-5, atol=1e-5)
 

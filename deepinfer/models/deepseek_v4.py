@@ -114,21 +114,17 @@ class Router(nn.Module):
         return ids, w * self.scaling
 
 
-def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit): V4's swiglu_limit."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+class SharedExpert(FusedMoE):
+    """The shared expert: one more SwiGLU expert, which every token goes through, run by the routed
+    experts' kernel (its gate_proj / up_proj / down_proj load into gate_up_proj [1, 2I, H] and down_proj)."""
 
-
-class SharedExpert(nn.Module):
     def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype):
-        super().__init__()
-        self.limit = limit
-        self.gate_proj = Linear(hidden, inter, dtype)
-        self.up_proj = Linear(hidden, inter, dtype)
-        self.down_proj = Linear(inter, hidden, dtype)
+        super().__init__(1, hidden, inter, dtype, limit=limit)
+        self.gate_up_proj.shard_sizes = [inter, inter]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
+        """x [T, H] -> [T, H]."""
+        return self._run_experts(x.float(), torch.tensor([x.shape[0]])).to(x.dtype)
 
 
 class MoE(RoutedMoE):
@@ -240,6 +236,7 @@ _RENAMES = [(re.compile(p), r) for p, r in [
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 ]]
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_SHARED = re.compile(r"^(layers\.\d+\.mlp\.shared_experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MTP = re.compile(r"^mtp\.(\d+)\.")
 # MTP tensors with `mtp.{i}.` stripped: the module's own names, and copies of the main embedding and
 # lm_head that DeepSeek's checkpoints may carry (shared, so not loaded twice). The block's tensors are
@@ -261,6 +258,12 @@ def hf_to_param(name: str) -> tuple[str, int | None, int | None]:
         if w == "w2":
             return f"model.{prefix}.down_proj", e, None
         return f"model.{prefix}.gate_up_proj", e, 0 if w == "w1" else 1
+    m = _SHARED.match(n)
+    if m:
+        prefix, w = m.group(1), m.group(2)
+        if w == "down_proj":
+            return f"model.{prefix}.down_proj", 0, None
+        return f"model.{prefix}.gate_up_proj", 0, 0 if w == "gate_proj" else 1
     return (n if n == "lm_head.weight" else "model." + n), None, None
 
 
