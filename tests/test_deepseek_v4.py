@@ -549,3 +549,25 @@ def test_input_projections_share_one_fused_weight(ckpt):
         assert torch.equal(attn.q_a_proj.weight, theirs.self_attn.q_a_proj.weight)
         assert torch.equal(attn.kv_proj.weight, theirs.self_attn.kv_proj.weight)
     assert kinds == {2, 4, 7}  # sliding, HCA, CSA
+
+
+def test_bench_weight_reads_count_the_touched_experts(ckpt):
+    """examples/bench_v4.py's floor: bytes a step reads = all non-expert weights (no embedding, hash
+    table or MTP) + each distinct routed expert its tokens went to, counted per step."""
+    from examples.bench_v4 import WeightReads
+
+    model = load_ours(ckpt[0])
+    reads = WeightReads(model)
+    experts = model.model.layers[0].mlp.experts
+    per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * 4
+    dense = sum(p.numel() * 4 for n, p in model.named_parameters()
+                if ".experts." not in n and "embed_tokens" not in n and "tid2eid" not in n)
+    assert (reads.dense, reads.expert_bytes) == (dense, per_expert)
+    x = torch.randn(3, experts.gate_up_proj.shape[2])
+    ids = torch.tensor([[0, 1], [1, 2], [0, 2]])
+    experts(x, ids, torch.ones(3, 2))
+    model.model.layers[1].mlp.experts(x, ids[:1], torch.ones(1, 2))
+    nbytes, flops = reads.take(tokens=3)
+    assert nbytes == dense + (3 + 2) * per_expert
+    assert flops == 2 * 3 * (dense / 4 + len(reads.experts) * 2 * per_expert / 4)
+    assert reads.take(tokens=1)[0] == dense  # counts restart every step
