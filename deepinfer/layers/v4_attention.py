@@ -544,7 +544,7 @@ class V4Attention(nn.Module):
         (ckv, cgate), idx_proj = comp
         self.compressor.prefill_update(ckv[a:b], cgate[a:b], p0, slot, table, emit)
         if self.indexer is not None:  # before its first window too: later windows pool these tokens
-            ikv, igate, _ = idx_proj
+            ikv, igate, head_w = idx_proj
             self.indexer.prefill_update(ikv[a:b], igate[a:b], p0, slot, table, emit)
         n = ctx // self.compressor.rate
         if n == 0:
@@ -555,7 +555,7 @@ class V4Attention(nn.Module):
         if self.indexer is None:
             return entries, w[None, :] < n_seen[:, None]
         keys = self.indexer.pool.read(self.indexer.pool.rows(table[None], w[None])[0])
-        return entries, self._indexer_chosen(a, idx_proj[2], q_res, cos, sin, keys, n_seen)
+        return entries, self._indexer_chosen(a, head_w, q_res, cos, sin, keys, n_seen)
 
     def _indexer_chosen(self, a, head_w, q_res, cos, sin, keys, n_seen) -> torch.Tensor:
         """Which of the n entries (indexer keys [n, Di]) each of the queries a.. keeps -> [S, n]. Query j
@@ -638,13 +638,14 @@ class V4Attention(nn.Module):
         n = (pos + 1) // rate
         E = int(n.max())
         if self.indexer is not None:
-            self.indexer.decode_update(*idx_proj[:2], pos, slots, tables)
+            ikv, igate, head_w = idx_proj
+            self.indexer.decode_update(ikv, igate, pos, slots, tables)
         if E == 0:
             return None, None
         w = torch.arange(E)[None, :].expand(len(pos), E)
         seen = w < n[:, None]
         if self.indexer is not None:
             keys = self.indexer.pool.read(self.indexer.pool.rows(tables, w))
-            scores = self.indexer.scores(q_res, idx_proj[2], cos, sin, keys)
+            scores = self.indexer.scores(q_res, head_w, cos, sin, keys)
             w, seen = self.indexer.select_decode(scores, n)
         return self.compressor.pool.read(self.compressor.pool.rows(tables, w)), seen
