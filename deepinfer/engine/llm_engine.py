@@ -12,6 +12,7 @@ import torch
 from deepinfer import _C
 from deepinfer.config import EngineConfig, hf_get
 from deepinfer.engine.cache_engine import CacheEngine
+from deepinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from deepinfer.engine.eplb import EplbConfig, EplbState
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.layers.moe import balanced_moe_blocks
@@ -42,6 +43,7 @@ class SeqState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # None: the model ships no tokenizer
 
 
 @dataclass
@@ -143,11 +145,14 @@ class LLMEngine:
         for index in range(params.n):
             seq_id = next(self._seq_counter)
             gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
-            self.seqs[seq_id] = SeqState(request_id, index, params, gen)
+            self.seqs[seq_id] = SeqState(request_id, index, params, gen, detokenizer=self._detokenizer(params))
             self.scheduler.add_sequence(seq_id, prompt_token_ids, limits)
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seq_ids, metrics)
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
 
     def _limits(self, params: SamplingParams):
         """What the C++ output processing needs to stop a sequence."""
@@ -229,7 +234,7 @@ class LLMEngine:
             state.stop_reason = res.stop_token if res.stop_token >= 0 else None
             if res.reason == _C.FinishReason.ERROR:
                 state.error = "non-finite logits"
-        if state.params.stop_strings and self._hit_stop_string(state) and not res.finished:
+        if state.params.stop_strings and self._hit_stop_string(state, res.finished) and not res.finished:
             self.scheduler.finish(res.seq_id, _C.FinishReason.STOP)
         return state.finish_reason is not None
 
@@ -249,14 +254,16 @@ class LLMEngine:
                     entry.setdefault(tok, Logprob(value, rank + 1))
             state.logprobs.append(entry)
 
-    def _hit_stop_string(self, state: SeqState) -> bool:
-        """Decodes the output and cuts it at the first stop string; True if one was found."""
-        text = self.tokenizer.decode(state.token_ids, skip_special_tokens=state.params.skip_special_tokens)
-        hits = [(text.find(s), s) for s in state.params.stop_strings if s in text]
-        if not hits:
+    def _hit_stop_string(self, state: SeqState, finished: bool) -> bool:
+        """Detokenises the step's new tokens (all that is left when finished) and cuts the text at the
+        first stop string; True if one was found."""
+        detok = state.detokenizer
+        new_text = detok.update(state.token_ids, final=finished)
+        hit = find_stop_string(detok.text, len(new_text), state.params.stop_strings)
+        if hit is None:
             return False
-        pos, stop = min(hits)
-        state.text = text[:pos + len(stop)] if state.params.include_stop_str_in_output else text[:pos]
+        pos, stop = hit
+        state.text = detok.text[:pos + len(stop)] if state.params.include_stop_str_in_output else detok.text[:pos]
         state.finish_reason, state.stop_reason = "stop", stop
         return True
 
@@ -271,7 +278,7 @@ class LLMEngine:
 
     def _completion(self, state: SeqState) -> CompletionOutput:
         if not isinstance(state.stop_reason, str):  # a stop string already cut the text
-            state.text = self._decode(state.token_ids, state.params.skip_special_tokens)
+            state.text = self._final_text(state)
         for entry in state.logprobs:
             for tok, lp in entry.items():
                 lp.decoded_token = self._decode([tok], False)
@@ -279,6 +286,15 @@ class LLMEngine:
                                 state.cumulative_logprob if state.params.logprobs is not None else None,
                                 state.logprobs if state.params.logprobs is not None else None,
                                 state.finish_reason, state.stop_reason, state.error)
+
+    @staticmethod
+    def _final_text(state: SeqState) -> str:
+        """The whole output's text, with any incomplete character the detokeniser still held back.
+        Without stop strings nothing reads the text sooner, so this decodes the output in one window."""
+        if state.detokenizer is None:
+            return ""
+        state.detokenizer.update(state.token_ids, final=True)
+        return state.detokenizer.text
 
     def _decode(self, token_ids: list[int], skip_special: bool) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
@@ -311,7 +327,8 @@ class LLMEngine:
         seq = self.scheduler.sequence(seq_id)
         self.cache.load(list(seq.block_table), seq.state_slot, h.kv)
         gen = None if p.seed is None else torch.Generator().manual_seed(p.seed)
-        state = SeqState(h.request_id, 0, p, gen, token_ids=h.token_ids[len(h.prompt_token_ids):])
+        state = SeqState(h.request_id, 0, p, gen, token_ids=h.token_ids[len(h.prompt_token_ids):],
+                         detokenizer=self._detokenizer(p))
         self.seqs[seq_id] = state
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(h.prompt_token_ids))
         self.requests[h.request_id] = Request(h.request_id, None, h.prompt_token_ids, [seq_id], metrics)
