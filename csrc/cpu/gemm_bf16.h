@@ -1,37 +1,43 @@
 #pragma once
 // Small-M GEMM with bf16 weights and fp32 activations/accumulation: out[M,N] = x[M,K] @ w[N,K]^T.
-// torch's bf16 matmul on AVX2-only CPUs converts through a slow generic path (~8 GFLOP/s); here
-// each weight row is widened once (bf16 -> fp32 is a 16-bit shift) and reused for every row of x
-// while it sits in L1, so decode-sized M stays memory-bound at the weight-read rate. From ~10 rows
-// and 256 outputs on (batched decode) it is compute-bound instead: weight blocks are widened once
-// into fp32 panels that outer-product tiles read with nothing but FMAs on the FP pipes (~1.5x the
-// FLOP rate).
+// torch's bf16 matmul on CPUs without bf16 instructions converts through a slow generic path
+// (~8 GFLOP/s); here each weight row is widened once (bf16 -> fp32 is a 16-bit shift) and reused for
+// every row of x while it sits in L1, so decode-sized M stays memory-bound at the weight-read rate.
+// From ~10 rows and 256 outputs on (batched decode) it is compute-bound instead: weight blocks are
+// widened once into fp32 panels that outer-product tiles read with nothing but FMAs on the FP pipes
+// (~1.5x the FLOP rate). On CPUs with bf16 instructions torch's oneDNN GEMM can be faster: the
+// caller (deepinfer/layers/gemm_plan.py) measures both and picks per shape.
 #include <cstdint>
+
+#include "cpu/cpu_features.h"
 
 namespace deepinfer {
 
-void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
+// How a GEMM runs: the vector ISA of the kernel, and whether every M uses one reduction order
+// (batch-invariant: dot-product tiles only, no streaming or outer-product paths).
+struct GemmMode {
+  Isa isa = Isa::AVX2;
+  bool invariant = false;
+};
+
+constexpr int64_t GEMM_GROUP = 16;  // rows of x per outer-product group (the wide path)
+
+void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, GemmMode mode,
                int num_threads);
 
 // out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], bf16 or null), accumulated in fp32; x and out are both fp32,
 // or both bf16 when bf16_io (widened on entry, rounded to nearest even once on exit: torch's
 // `F.linear(x.float(), w.float(), b.float()).to(bf16)` without its three conversion passes).
 void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,
-                 int64_t K, int64_t N, int num_threads);
-
-// One SwiGLU expert group: y[M,H] = (silu(min(g, limit)) * clamp(u, -limit, limit)) w2^T with
-// [g | u] = x w13^T, w13 = [w1; w3] as [2I, H] bf16 and w2 [H, I] bf16 (limit = +inf: plain SwiGLU,
-// finite: DeepSeek-V4's swiglu_limit). scratch must hold M * 2I floats.
-void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2, float* y, float* scratch,
-                        int64_t M, int64_t H, int64_t I, float limit, int num_threads);
-
-}  // namespace deepinfer
-
-namespace deepinfer {
+                 int64_t K, int64_t N, GemmMode mode, int num_threads);
 
 // All experts of one MoE layer: rows [offsets[e], offsets[e+1]) of x (sorted by expert) go through
-// expert e. w13 [E, 2I, H] and w2 [E, H, I] bf16; x, y [S, H] fp32.
-void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint16_t* w13,
-                          const uint16_t* w2, float* y, int64_t H, int64_t I, float limit, int num_threads);
+// SwiGLU expert e: (silu(min(g, limit)) * clamp(u, -limit, limit)) w2^T with [g | u] = x w13^T
+// (limit = +inf: plain SwiGLU; finite: DeepSeek-V4's swiglu_limit). w13 [E, 2I, H] and w2 [E, H, I]
+// bf16; x, y [S, H] fp32. Experts with skip[e] != 0 (skip may be null) are left to the caller: their
+// rows of y are not written.
+void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint8_t* skip,
+                          const uint16_t* w13, const uint16_t* w2, float* y, int64_t H, int64_t I, float limit,
+                          GemmMode mode, int num_threads);
 
 }  // namespace deepinfer

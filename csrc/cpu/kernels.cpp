@@ -3,7 +3,10 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
 
+#include "cpu/cpu_features.h"
 #include "cpu/decode_attention.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/hyper_connection.h"
@@ -11,26 +14,65 @@
 namespace py = pybind11;
 using namespace deepinfer;
 
+namespace {
+
+// A kernel ISA the CPU lacks would fault on its first instruction: refuse it as a Python error.
+GemmMode gemm_mode(int isa, bool invariant) {
+  if (isa != static_cast<int>(Isa::AVX2) && isa != static_cast<int>(Isa::AVX512))
+    throw py::value_error("unknown GEMM isa " + std::to_string(isa));
+  if (!isa_supported(static_cast<Isa>(isa)))
+    throw py::value_error("GEMM isa " + std::to_string(isa) + " is not supported by this CPU");
+  return GemmMode{static_cast<Isa>(isa), invariant};
+}
+
+py::dict features_dict() {
+  const CpuFeatures& f = cpu_features();
+  py::dict d;
+  d["model"] = f.model;
+  d["avx2"] = f.avx2;
+  d["fma"] = f.fma;
+  d["avx512f"] = f.avx512f;
+  d["avx512bw"] = f.avx512bw;
+  d["avx512vl"] = f.avx512vl;
+  d["avx512_bf16"] = f.avx512_bf16;
+  d["amx_tile"] = f.amx_tile;
+  d["amx_bf16"] = f.amx_bf16;
+  py::list isas;
+  for (auto [name, isa] : {std::pair{"avx2", Isa::AVX2}, std::pair{"avx512", Isa::AVX512}})
+    if (isa_supported(isa)) isas.append(py::make_tuple(name, static_cast<int>(isa)));
+  d["gemm_isas"] = isas;
+  return d;
+}
+
+}  // namespace
+
 void bind_cpu_kernels(py::module_& m) {
+  m.def("cpu_features", &features_dict,
+        "what this CPU and OS support (cpuid / xgetbv), and the GEMM kernel ISAs that run here as (name, id)");
   m.def(
       "linear_bf16",
       [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, bool bf16_io, int64_t M, int64_t K, int64_t N,
-         int threads) {
+         int isa, bool invariant, int threads) {
+        GemmMode mode = gemm_mode(isa, invariant);
+        py::gil_scoped_release release;
         linear_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const uint16_t*>(w),
-                    reinterpret_cast<const uint16_t*>(bias), reinterpret_cast<void*>(out), bf16_io, M, K, N, threads);
+                    reinterpret_cast<const uint16_t*>(bias), reinterpret_cast<void*>(out), bf16_io, M, K, N, mode,
+                    threads);
       },
-      py::call_guard<py::gil_scoped_release>(),
       "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N] bf16, 0 for none); x and out both fp32 or both bf16 (bf16_io)");
   m.def(
       "grouped_experts_bf16",
-      [](uintptr_t x, uintptr_t offsets, int64_t E, uintptr_t w13, uintptr_t w2, uintptr_t y, int64_t H, int64_t I,
-         float limit, int threads) {
+      [](uintptr_t x, uintptr_t offsets, int64_t E, uintptr_t skip, uintptr_t w13, uintptr_t w2, uintptr_t y,
+         int64_t H, int64_t I, float limit, int isa, bool invariant, int threads) {
+        GemmMode mode = gemm_mode(isa, invariant);
+        py::gil_scoped_release release;
         grouped_experts_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<const int64_t*>(offsets), E,
-                             reinterpret_cast<const uint16_t*>(w13), reinterpret_cast<const uint16_t*>(w2),
-                             reinterpret_cast<float*>(y), H, I, limit, threads);
+                             reinterpret_cast<const uint8_t*>(skip), reinterpret_cast<const uint16_t*>(w13),
+                             reinterpret_cast<const uint16_t*>(w2), reinterpret_cast<float*>(y), H, I, limit, mode,
+                             threads);
       },
-      py::call_guard<py::gil_scoped_release>(),
-      "y[S,H] fp32: rows offsets[e]..offsets[e+1] of x [S,H] through SwiGLU expert e (w13 [E,2I,H], w2 [E,H,I] bf16), gate and up clamped at limit");
+      "y[S,H] fp32: rows offsets[e]..offsets[e+1] of x [S,H] through SwiGLU expert e (w13 [E,2I,H], w2 [E,H,I] "
+      "bf16), gate and up clamped at limit; experts with skip[e] (uint8 [E], 0 for none) left unwritten");
   m.def(
       "hc_pre",
       [](uintptr_t streams, bool bf16, uintptr_t fn, uintptr_t base, uintptr_t scale, int64_t T, int64_t N, int64_t D,

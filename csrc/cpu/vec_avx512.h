@@ -1,0 +1,37 @@
+#pragma once
+// AVX-512 traits for gemm_kernel.h. Include only below `#pragma GCC target("avx512f,avx512bw,avx512vl")`
+// (gemm_avx512.cpp): these functions must not be compiled into code that runs on AVX2-only CPUs.
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace deepinfer {
+
+struct Avx512 {
+  using reg = __m512;
+  static constexpr int LANES = 16;
+  // 32 zmm registers: the big tile shares 6 weight vectors across 4 rows (24 accumulators + 6 + 1),
+  // the wide path's outer products take 12 weight rows (12 accumulators of one 16-row group).
+  static constexpr int GEMV_C = 8, SMALL_R = 2, SMALL_C = 4, BIG_R = 4, BIG_C = 6, WIDE_N = 12;
+
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static reg load_bf16(const uint16_t* p) {
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static reg broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  // Halves added pairwise down to 8 lanes, then the AVX2 order: fixed for any input.
+  static float sum(reg v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+
+}  // namespace deepinfer
