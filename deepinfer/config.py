@@ -34,6 +34,7 @@ class EngineConfig:
     eplb_config: dict | None = None
     eplb_plan: str | None = None
     speculative: dict | None = None
+    batch_invariant: bool = False
 
     @staticmethod
     def default_num_threads() -> int:

@@ -28,21 +28,25 @@ class LLM:
     (see spec/speculator.py); lossless: outputs are distributed exactly as without it.
     data_parallel_size: k > 1 runs k DP ranks as Ray actors (attention per rank, routed experts split
     over ranks); ray_address joins a Ray cluster instead of starting one on 127.0.0.1; dp_config: the
-    DPConfig keys in engine/dp.py (vote intervals, resources per rank, timeouts)."""
+    DPConfig keys in engine/dp.py (vote intervals, resources per rank, timeouts).
+    batch_invariant: every bf16 GEMM runs our kernel with one reduction order for any batch, so a
+    request's tokens do not depend on which requests share its steps (otherwise each GEMM shape takes
+    the path measured fastest on this CPU, see layers/gemm_plan.py)."""
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,
                  block_size: int | None = None, seed: int = 0, kv_cache_dtype: str = "auto",
                  engine_type: str = "normal", num_threads: int | None = None, enable_eplb: bool = False,
                  eplb_config: dict | None = None, eplb_plan: str | None = None, speculative: dict | None = None,
-                 data_parallel_size: int = 1, ray_address: str | None = None, dp_config: dict | None = None):
+                 data_parallel_size: int = 1, ray_address: str | None = None, dp_config: dict | None = None,
+                 batch_invariant: bool = False):
         config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
                               kv_cache_memory=kv_cache_memory, block_size=block_size or 0,
                               kv_cache_dtype=kv_cache_dtype, seed=seed, engine_type=engine_type,
                               num_threads=num_threads or EngineConfig.default_num_threads(),
                               enable_eplb=enable_eplb, eplb_config=eplb_config, eplb_plan=eplb_plan,
-                              speculative=speculative)
+                              speculative=speculative, batch_invariant=batch_invariant)
         if data_parallel_size == 1:
             self.engine = LLMEngine(config)
         else:  # DP attention + EP MoE over Ray ranks (engine/dp.py)

@@ -1,11 +1,15 @@
 """Tiny random checkpoints made with transformers' config classes (no hub), plus a small
 trained tokenizer so text paths are exercised too."""
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Measured GEMM plans and step-time curves go to a fresh folder: a test never reads a cache that an
+# earlier run (or the user's engine) left behind.
+os.environ["DEEPINFER_CACHE_DIR"] = tempfile.mkdtemp(prefix="deepinfer-test-cache-")
 
 TINY_VOCAB = 256
 

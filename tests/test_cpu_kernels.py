@@ -4,32 +4,37 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer import LLM
-from deepinfer.layers.cpu_ops import grouped_experts_bf16, linear_bf16
+from deepinfer.layers.cpu_ops import GEMM_ISAS, grouped_experts_bf16, linear_bf16
+
+# Every kernel ISA this CPU runs, each with and without the batch-invariant reduction order.
+MODES = [(isa, inv) for isa in GEMM_ISAS for inv in (False, True)]
 
 
 # m covers the tile paths (1-9), the wide path's padded and whole 16-row groups with a tiled remainder
-# (10-255, for n >= 256) and the sgemm fallback (256); n not a multiple of the 6-row panels, k not of 8.
+# (10-255, for n >= 256) and 256 rows; n not a multiple of the 6- or 12-row panels, k not of 8 or 16.
+@pytest.mark.parametrize("isa, invariant", MODES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 10, 15, 16, 17, 26, 31, 33, 40, 64, 130, 256])
 @pytest.mark.parametrize("k, n", [(64, 96), (100, 37), (1024, 20), (37, 259), (64, 300)])
-def test_linear_bf16_matches_fp32_reference(m, k, n):
+def test_linear_bf16_matches_fp32_reference(m, k, n, isa, invariant):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     ref = F.linear(x, w.float(), bias.float())
-    out = linear_bf16(x, w, bias)
+    out = linear_bf16(x, w, bias, isa=isa, invariant=invariant)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
     xb = x.to(torch.bfloat16)  # bf16 in and out: one rounding of the fp32 result (to 1 bf16 step, 2^-7 relative)
-    out_b = linear_bf16(xb, w, bias)
+    out_b = linear_bf16(xb, w, bias, isa=isa, invariant=invariant)
     ref_b = (F.linear(xb.float(), w.float()) + bias.float()).to(torch.bfloat16)
     assert out_b.dtype == torch.bfloat16
     torch.testing.assert_close(out_b.float(), ref_b.float(), rtol=2 ** -7, atol=1e-3)
 
 
 # Threads take whole experts: 2 splits the 4 active experts, 5 leaves threads without one.
+@pytest.mark.parametrize("isa, invariant", MODES)
 @pytest.mark.parametrize("threads", [1, 2, 5])
 @pytest.mark.parametrize("limit", [float("inf"), 0.7])
-def test_grouped_experts_match_loop_reference(limit, threads, monkeypatch):
+def test_grouped_experts_match_loop_reference(limit, threads, isa, invariant, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(7)
     e, h, i = 6, 40, 24
@@ -37,7 +42,7 @@ def test_grouped_experts_match_loop_reference(limit, threads, monkeypatch):
     x = torch.randn(int(counts.sum()), h, generator=g)
     w13 = torch.randn(e, 2 * i, h, generator=g).to(torch.bfloat16)
     w2 = torch.randn(e, h, i, generator=g).to(torch.bfloat16)
-    out = grouped_experts_bf16(x, counts, w13, w2, limit)
+    out = grouped_experts_bf16(x, counts, w13, w2, limit, isa=isa, invariant=invariant)
     start, ref = 0, []
     for expert, c in enumerate(counts.tolist()):
         gate, up = F.linear(x[start:start + c], w13[expert].float()).chunk(2, -1)

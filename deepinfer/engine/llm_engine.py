@@ -15,6 +15,7 @@ from deepinfer.engine.cache_engine import CacheEngine
 from deepinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from deepinfer.engine.eplb import EplbConfig, EplbState
 from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.layers import gemm_plan
 from deepinfer.layers.moe import balanced_moe_blocks
 from deepinfer.layers.sampler import SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
@@ -82,6 +83,8 @@ class LLMEngine:
         spec_cfg = SpecConfig.from_dict(config.speculative) if config.speculative else None
         if spec_cfg is not None:
             prepare_model(self.model, spec_cfg)
+        gemm_plan.PLAN.invariant = config.batch_invariant
+        gemm_plan.PLAN.prepare(self.model, config.dtype, max(config.max_num_batched_tokens, config.max_num_seqs))
         spec = self.model.cache_spec(config.block_size, config.kv_cache_dtype)
         self.cache = CacheEngine(spec, config.kv_cache_memory, config.max_num_seqs, config.block_size)
         self.model.bind_cache(self.cache.paged, self.cache.state)

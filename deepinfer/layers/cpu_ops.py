@@ -1,16 +1,13 @@
 """Python boundary of the C++ CPU kernels in csrc/cpu: checks shapes and dtypes before handing raw
 pointers over, so bad input raises here instead of corrupting memory."""
 import torch
-import torch.nn.functional as F
 
 from deepinfer import _C
 
-# From this many rows on, widening the whole weight once and using torch's fp32 sgemm (MKL) matches
-# our kernel's wide path, and beats it further up (M=1024: 0.92x, 2048: 0.68x of its time; K=N=1024,
-# measured on the 2-core AVX2 machines).
-SGEMM_MIN_ROWS = 256
-# Activation dtypes the kernels read and write directly (others go through fp32 copies).
+# Activation dtypes the kernels read and write directly.
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
+# Our GEMM kernels that run on this CPU, fastest ISA first: {name: id} (csrc/cpu/cpu_features.cpp).
+GEMM_ISAS = dict(reversed(_C.cpu_features()["gemm_isas"]))
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) -> None:
@@ -20,35 +17,43 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) ->
                          f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] any float dtype; w [N, K] bf16; bias [N] bf16 or None -> [..., N] in x.dtype (fp32
-    accumulation, one rounding to x.dtype)."""
+def _isa_id(isa: str | None) -> int:
+    if isa is None:
+        return next(iter(GEMM_ISAS.values()))
+    if isa not in GEMM_ISAS:
+        raise ValueError(f"GEMM isa {isa!r} does not run on this CPU; available: {list(GEMM_ISAS)}")
+    return GEMM_ISAS[isa]
+
+
+def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None,
+                invariant: bool = False) -> torch.Tensor:
+    """x [..., K] fp32 or bf16; w [N, K] bf16; bias [N] bf16 or None -> [..., N] in x.dtype (fp32
+    accumulation, one rounding to x.dtype). isa: a key of GEMM_ISAS (None: the widest); invariant: the
+    same reduction order for every M (batch-invariant results)."""
     _check(w, "weight", torch.bfloat16, 2)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
+    if x.dtype not in STREAM_DTYPES:
+        raise ValueError(f"input dtype {x.dtype}: the kernel reads {STREAM_DTYPES}")
     if bias is not None:
         _check(bias, "bias", torch.bfloat16, 1)
         if bias.shape[0] != n:
             raise ValueError(f"bias has {bias.shape[0]} entries, weight has {n} outputs")
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] >= SGEMM_MIN_ROWS or x.dtype not in STREAM_DTYPES:
-        out = F.linear(x2.float(), w.float())
-        if bias is not None:
-            out += bias.float()
-        return out.to(x.dtype).reshape(*x.shape[:-1], n)
-    x2 = x2.contiguous()
+    x2 = x.reshape(-1, k).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=x.dtype)
     _C.linear_bf16(x2.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                   x.dtype == torch.bfloat16, x2.shape[0], k, n, torch.get_num_threads())
+                   x.dtype == torch.bfloat16, x2.shape[0], k, n, _isa_id(isa), invariant, torch.get_num_threads())
     return out.reshape(*x.shape[:-1], n)
 
 
 def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         limit: float = float("inf")) -> torch.Tensor:
+                         limit: float = float("inf"), skip: torch.Tensor | None = None, isa: str | None = None,
+                         invariant: bool = False) -> torch.Tensor:
     """x [S, H] fp32 rows sorted by expert; counts [E] rows per expert; w13 [E, 2I, H] bf16 (gate
     rows, then up); w2 [E, H, I] bf16 -> [S, H] fp32, each row through its expert's SwiGLU with
-    gate <= limit and |up| <= limit (swiglu_limit; inf: none)."""
+    gate <= limit and |up| <= limit (swiglu_limit; inf: none). skip [E] bool: experts whose rows the
+    caller computes (their rows are left unwritten). isa, invariant: as linear_bf16."""
     _check(x, "x", torch.float32, 2)
     _check(w13, "w13", torch.bfloat16, 3)
     _check(w2, "w2", torch.bfloat16, 3)
@@ -56,11 +61,15 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     if w2.shape != (e, h, two_i // 2) or x.shape[1] != h or counts.shape != (e,) or int(counts.sum()) != x.shape[0]:
         raise ValueError(f"expert shapes disagree: x {tuple(x.shape)}, counts {tuple(counts.shape)}, "
                          f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if skip is not None and skip.shape != (e,):
+        raise ValueError(f"skip: expected one flag per expert ({e}), got {tuple(skip.shape)}")
     offsets = torch.zeros(e + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=offsets[1:])
+    skip8 = None if skip is None else skip.to(torch.uint8).contiguous()
     y = torch.empty_like(x)
-    _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, w13.data_ptr(), w2.data_ptr(), y.data_ptr(),
-                            h, two_i // 2, float(limit), torch.get_num_threads())
+    _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, 0 if skip8 is None else skip8.data_ptr(),
+                            w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h, two_i // 2, float(limit), _isa_id(isa),
+                            invariant, torch.get_num_threads())
     return y
 
 

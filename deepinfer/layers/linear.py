@@ -1,14 +1,16 @@
-"""Linear layers that route bf16 CPU weights to our kernel (torch's bf16 GEMM is slow on AVX2)."""
+"""Linear layers: bf16 CPU weights go the path the GEMM plan measured fastest for the shape (our
+kernels, or torch's own bf16 / fp32 GEMM)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.layers.cpu_ops import linear_bf16
+from deepinfer.layers.gemm_plan import PLAN, run_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
-        return linear_bf16(x, weight, bias)
+        path = PLAN.linear_path(x.dtype, x.numel() // max(x.shape[-1], 1), weight)
+        return run_linear(path, x, weight, bias, PLAN.invariant)
     return F.linear(x, weight, bias)
 
 

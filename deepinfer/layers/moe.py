@@ -1,10 +1,13 @@
 """Routed experts on CPU: tokens are grouped by expert (one sort), and each active expert runs one
 matmul over its group. Never a per-token loop."""
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.layers.cpu_ops import grouped_experts_bf16
+from deepinfer.layers.gemm_plan import PLAN, torch_expert
 
 
 class FusedMoE(nn.Module):
@@ -48,7 +51,7 @@ class FusedMoE(nn.Module):
         """grouped [S, H] fp32 rows sorted by expert, counts [E] -> [S, H] fp32 expert outputs."""
         limit = float("inf") if self.limit is None else self.limit
         if self.gate_up_proj.dtype == torch.bfloat16:
-            return grouped_experts_bf16(grouped.contiguous(), counts, self.gate_up_proj, self.down_proj, limit)
+            return self._run_bf16(grouped.contiguous(), counts, limit)
         out = torch.empty_like(grouped)
         start = 0
         for expert, count in enumerate(counts.tolist()):
@@ -58,6 +61,24 @@ class FusedMoE(nn.Module):
                 act = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
                 out[start:end] = F.linear(act, self.down_proj[expert].float())
             start = end
+        return out
+
+
+    def _run_bf16(self, grouped: torch.Tensor, counts: torch.Tensor, limit: float) -> torch.Tensor:
+        """Our grouped kernel runs every expert except those the GEMM plan sends to torch's bf16 GEMM
+        (on CPUs where it wins at their row counts)."""
+        count_list = counts.tolist()
+        kernel, via_torch = PLAN.expert_paths(self.gate_up_proj, self.down_proj, count_list)
+        skip = None
+        if via_torch:
+            skip = torch.zeros(self.num_experts, dtype=torch.bool)
+            skip[via_torch] = True
+        out = grouped_experts_bf16(grouped, counts, self.gate_up_proj, self.down_proj, limit, skip=skip,
+                                   isa=kernel[4:], invariant=PLAN.invariant)
+        starts = [0] + list(itertools.accumulate(count_list))
+        for e in via_torch:
+            rows = slice(starts[e], starts[e + 1])
+            out[rows] = torch_expert(grouped[rows], self.gate_up_proj[e], self.down_proj[e], limit)
         return out
 
 

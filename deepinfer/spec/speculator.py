@@ -1,7 +1,6 @@
 """Speculative decoding in the engine: before each step every running sequence gets drafts, the
 C++ MTPVarlen greedy picks how many of each to verify on this machine's measured step-time curve,
 and after the forward verify.py decides what is accepted (the scheduler rolls back the rest)."""
-import hashlib
 import itertools
 import json
 import logging
@@ -11,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer import _C
+from deepinfer import _C, platform
 from deepinfer.config import dataclass_from_dict
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.layers.sampler import Sampler
@@ -128,12 +127,12 @@ class Speculator:
 
 def step_time_curve(engine, k: int) -> "_C.StepTimeCurve":
     """ms per decode step against query tokens, measured on this engine (cached on disk by model,
-    dtype, threads and shape); the C++ side forces it monotone."""
+    dtype, threads, shape, CPU and extension build: a kernel change never reuses a stale curve); the
+    C++ side forces it monotone."""
     cfg = engine.config
     points = [q for q in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if q <= cfg.max_num_seqs * (k + 1)]
-    key = json.dumps([os.path.abspath(cfg.model), str(cfg.dtype), cfg.num_threads, points])
-    path = os.path.join(os.path.expanduser("~/.cache/deepinfer/step_curves"),
-                        hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    path = platform.cache_path("step_curves", os.path.abspath(cfg.model), str(cfg.dtype), cfg.num_threads,
+                               cfg.batch_invariant, points)
     if os.path.exists(path):
         with open(path) as f:
             ms = json.load(f)

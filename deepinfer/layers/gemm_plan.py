@@ -1,0 +1,274 @@
+"""Which GEMM runs each bf16-weight matmul on this CPU.
+
+Our kernels (csrc/cpu, one source instantiated per ISA) beat torch's bf16 GEMM 2-8x on AVX2-only CPUs,
+but on CPUs with AMX tiles torch's oneDNN path is 2.6-6x faster from 16 rows on. Nothing is assumed:
+for each weight shape and bucket of row counts, every candidate that runs here is timed and the
+fastest kept. Plans are cached on disk by CPU, torch version, extension build and thread count.
+The engine calibrates its model's shapes at start (`prepare`) and logs the table; a shape first met
+later is calibrated on that call.
+
+Paths: "cpu-<isa>" (our kernel), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations
+only, as it rounds its input and output to bf16), "torch-fp32" (F.linear on widened weights: MKL's
+sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel
+and torch-bf16, by the expert's row count.
+"""
+import json
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer import platform
+from deepinfer.layers import cpu_ops
+
+logger = logging.getLogger("deepinfer")
+
+MAX_BUCKET = 512  # row buckets 1, 2, 4, ... 512; more rows use the 512 choice
+CAL_MAX_N = 4096  # wider outputs are timed on their first rows: the time is linear in N
+REPEATS = 3
+MIN_TIMED_S = 5e-4  # tiny GEMMs are looped to at least this long per timing
+
+
+def bucket(m: int) -> int:
+    """Rows -> the power of two at or below (1 for 0), at most MAX_BUCKET."""
+    return min(1 << (max(m, 1).bit_length() - 1), MAX_BUCKET)
+
+
+def buckets_up_to(m: int) -> list[int]:
+    return [1 << i for i in range(int(math.log2(bucket(m))) + 1)]
+
+
+def run_linear(path: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+               invariant: bool = False) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T (+ bias) by one path -> [..., N] in x.dtype."""
+    if path.startswith("cpu-"):
+        return cpu_ops.linear_bf16(x, w, bias, isa=path[4:], invariant=invariant)
+    if path == "torch-bf16":
+        return F.linear(x, w, bias)
+    out = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def torch_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """One SwiGLU expert through torch's bf16 GEMM: x [M, H] fp32, w13 [2I, H], w2 [H, I] -> [M, H] fp32."""
+    gate, up = F.linear(x.to(torch.bfloat16), w13).float().chunk(2, dim=-1)
+    act = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return F.linear(act.to(torch.bfloat16), w2).float()
+
+
+def _seconds(fn) -> float:
+    """Seconds per call, fn looped until MIN_TIMED_S has passed."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= MIN_TIMED_S:
+            return elapsed / calls
+
+
+def fastest(candidates: dict) -> tuple[str, dict[str, float]]:
+    """{name: fn()} -> (the fastest name, {name: seconds}). Each is warmed once (oneDNN builds its
+    primitive on the first call); then REPEATS rounds time every candidate in turn, so a load that
+    comes and goes on a shared machine hits them alike, and each keeps its best. A candidate over
+    1.5x the best after the first round is not timed again."""
+    for fn in candidates.values():
+        fn()
+    times = {name: _seconds(fn) for name, fn in candidates.items()}
+    for _ in range(REPEATS - 1):
+        best = min(times.values())
+        for name, fn in candidates.items():
+            if times[name] < 1.5 * best:
+                times[name] = min(times[name], _seconds(fn))
+    return min(times, key=times.get), times
+
+
+class GemmPlan:
+    """The chosen path per (kind, activation dtype, shape, row bucket), measured on this machine.
+
+    invariant: every GEMM runs our widest kernel with one reduction order for every row count, so a
+    request's results do not depend on which others share its step (LLM(batch_invariant=True))."""
+
+    def __init__(self):
+        self.invariant = False
+        self.table: dict[tuple, str] = {}  # _key(...) -> path
+        self._loaded_threads = None
+
+    def cpu_paths(self) -> list[str]:
+        return [f"cpu-{isa}" for isa in cpu_ops.GEMM_ISAS]
+
+    # -- lookups --------------------------------------------------------------------------------------
+
+    def linear_path(self, dtype: torch.dtype, m: int, w: torch.Tensor) -> str:
+        if self.invariant:
+            return self.cpu_paths()[0]
+        if dtype not in cpu_ops.STREAM_DTYPES:
+            return "torch-fp32"
+        self._load()
+        key = _key("linear", dtype, *w.shape, bucket(m))
+        if key not in self.table:
+            self._calibrate_linear(dtype, w, [bucket(m)])
+        return self.table[key]
+
+    def expert_paths(self, w13: torch.Tensor, w2: torch.Tensor, counts: list[int]) -> tuple[str, list[int]]:
+        """w13 [E, 2I, H], w2 [E, H, I], counts [E] rows per expert -> (our grouped kernel's path, the
+        experts that run through torch-bf16 instead)."""
+        if self.invariant:
+            return self.cpu_paths()[0], []
+        self._load()
+        shape = _expert_shape(w13)
+        missing = sorted({bucket(c) for c in counts if c and _key("experts", *shape, bucket(c)) not in self.table})
+        if missing or _key("experts", *shape, "kernel") not in self.table:
+            self._calibrate_experts(w13, w2, missing or [1])
+        kernel = self.table[_key("experts", *shape, "kernel")]
+        return kernel, [e for e, c in enumerate(counts) if c and self.table[_key("experts", *shape, bucket(c))] != kernel]
+
+    # -- calibration ----------------------------------------------------------------------------------
+
+    def prepare(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int) -> None:
+        """Calibrates every bf16 Linear and FusedMoE of the model for 1..max_rows rows (activations in
+        dtype), then logs the plan."""
+        from deepinfer.layers.linear import Linear
+        from deepinfer.layers.moe import FusedMoE
+
+        if self.invariant:
+            logger.info("GEMM plan: batch-invariant, every GEMM on %s (%s)", self.cpu_paths()[0], platform.cpu_flags())
+            return
+        self._load()
+        todo = buckets_up_to(max_rows)
+        seen = set()
+        for mod in model.modules():
+            if isinstance(mod, Linear) and mod.weight.dtype == torch.bfloat16:
+                w = mod.weight.data
+                if (tuple(w.shape), "l") not in seen:
+                    seen.add((tuple(w.shape), "l"))
+                    self._calibrate_linear(dtype, w, [b for b in todo if _key("linear", dtype, *w.shape, b) not in self.table])
+            elif isinstance(mod, FusedMoE) and mod.gate_up_proj.dtype == torch.bfloat16:
+                w13, w2 = mod.gate_up_proj.data, mod.down_proj.data
+                if (tuple(w13.shape[1:]), "e") not in seen:
+                    seen.add((tuple(w13.shape[1:]), "e"))
+                    self._calibrate_experts(w13, w2, [b for b in todo if _key("experts", *_expert_shape(w13), b) not in self.table])
+        for line in self.describe():
+            logger.info("GEMM plan: %s", line)
+
+    def _calibrate_linear(self, dtype: torch.dtype, w: torch.Tensor, rows: list[int]) -> None:
+        n, k = w.shape
+        w_cal = w[:CAL_MAX_N]
+        gen = torch.Generator().manual_seed(0)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            paths = self.cpu_paths() + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
+            best, times = fastest({p: (lambda p=p: run_linear(p, x, w_cal, None)) for p in paths})
+            self.table[_key("linear", dtype, n, k, m)] = best
+            logger.debug("GEMM calibration linear %dx%d rows %d: %s", n, k, m, _fmt(times))
+        self._save()
+
+    def _calibrate_experts(self, w13: torch.Tensor, w2: torch.Tensor, rows: list[int]) -> None:
+        """Times one expert per thread (our kernel gives each thread whole experts) at each row count;
+        the kernel's ISA is the one fastest over all row counts (kept once chosen)."""
+        e, two_i, h = w13.shape
+        n_exp = min(e, torch.get_num_threads())
+        w13s, w2s = w13[:n_exp], w2[:n_exp]
+        gen = torch.Generator().manual_seed(0)
+        totals = {p: 0.0 for p in self.cpu_paths()}
+        per_rows = {}
+        for m in rows:
+            x = torch.randn(m * n_exp, h, generator=gen)
+            counts = torch.full((n_exp,), m)
+            cands = {p: (lambda p=p: cpu_ops.grouped_experts_bf16(x, counts, w13s, w2s, isa=p[4:]))
+                     for p in self.cpu_paths()}
+            cands["torch-bf16"] = lambda: [torch_expert(x[i * m:(i + 1) * m], w13s[i], w2s[i], math.inf)
+                                           for i in range(n_exp)]
+            per_rows[m] = fastest(cands)[1]
+            for p in totals:
+                totals[p] += per_rows[m][p]
+        kernel = self.table.get(_key("experts", h, two_i, "kernel")) or min(totals, key=totals.get)
+        self.table[_key("experts", h, two_i, "kernel")] = kernel
+        for m, times in per_rows.items():
+            self.table[_key("experts", h, two_i, m)] = "torch-bf16" if times["torch-bf16"] < times[kernel] else kernel
+            logger.debug("GEMM calibration experts h %d 2i %d rows %d: %s", h, two_i, m, _fmt(times))
+        self._save()
+
+    # -- cache and report -----------------------------------------------------------------------------
+
+    def describe(self) -> list[str]:
+        """One line per shape: row ranges and their paths, e.g.
+        "linear bfloat16 N 1536 K 1024: 1-15 cpu-avx2, 16+ torch-bf16"."""
+        shapes: dict[str, list[tuple[int, str]]] = {}
+        for key, path in self.table.items():
+            if key[-1] != "kernel":
+                shapes.setdefault(_encode(key[:-1]), []).append((key[-1], path))
+        return [f"{_label(head)}: {_ranges(sorted(runs))}" for head, runs in sorted(shapes.items())]
+
+    def _file(self) -> str:
+        return platform.cache_path("gemm_plans", torch.get_num_threads())
+
+    def _load(self) -> None:
+        """(Re)reads the cached plan when the thread count changed since the last read."""
+        threads = torch.get_num_threads()
+        if self._loaded_threads == threads:
+            return
+        self._loaded_threads, self.table = threads, {}
+        if os.path.exists(self._file()):
+            with open(self._file()) as f:
+                self.table = {_decode(k): v for k, v in json.load(f).items()}
+
+    def _save(self) -> None:
+        path = self._file()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"  # DP ranks on one machine save the same file: rename is atomic
+        with open(tmp, "w") as f:
+            json.dump({_encode(k): v for k, v in self.table.items()}, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+
+
+def _key(kind: str, *parts) -> tuple:
+    """("linear", x dtype, N, K, rows) or ("experts", H, 2I, rows | "kernel"): a lookup per GEMM call,
+    so a plain tuple."""
+    return (kind, *parts)
+
+
+def _encode(key: tuple) -> str:
+    return "|".join(str(p).replace("torch.", "") for p in key)
+
+
+def _decode(text: str) -> tuple:
+    kind, *rest = text.split("|")
+    parts = [int(p) if p.isdigit() else p for p in rest]
+    if kind == "linear":
+        parts[0] = getattr(torch, parts[0])
+    return (kind, *parts)
+
+
+def _label(head: str) -> str:
+    """"linear|bfloat16|1536|1024" -> "linear bfloat16 N 1536 K 1024"; "experts|1024|1024" -> "experts H 1024 2I 1024"."""
+    p = head.split("|")
+    return f"linear {p[1]} N {p[2]} K {p[3]}" if p[0] == "linear" else f"experts H {p[1]} 2I {p[2]}"
+
+
+def _expert_shape(w13: torch.Tensor) -> tuple[int, int]:
+    """[E, 2I, H] -> (H, 2I): experts of one shape share a plan whatever their count."""
+    return w13.shape[2], w13.shape[1]
+
+
+def _fmt(times: dict[str, float]) -> str:
+    return ", ".join(f"{p} {t * 1e3:.3f} ms" for p, t in times.items())
+
+
+def _ranges(runs: list[tuple[int, str]]) -> str:
+    """[(1, a), (2, a), (4, b)] -> "1-3 a, 4+ b" (a bucket covers rows up to the next one)."""
+    parts, i = [], 0
+    while i < len(runs):
+        j = i
+        while j + 1 < len(runs) and runs[j + 1][1] == runs[i][1]:
+            j += 1
+        hi = "+" if j + 1 == len(runs) else f"-{runs[j + 1][0] - 1}"
+        parts.append(f"{runs[i][0]}{hi} {runs[i][1]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+PLAN = GemmPlan()  # one per process: the machine and the build are
