@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 DEBUG = os.environ.get("DEEPINFER_DEBUG", "0") == "1"
 # Invariant checks (DI_CHECK) compile in for debug builds only; release keeps the hot path lean.
 macros = [] if DEBUG else [("NDEBUG", "1")]
-flags = ["-O0", "-g"] if DEBUG else ["-O3", "-march=native", "-fopenmp"]
+flags = ["-O0", "-g"] if DEBUG else ["-O3", "-march=native"]
 
 ext = Pybind11Extension(
     "deepinfer._C",
@@ -16,8 +16,8 @@ ext = Pybind11Extension(
     include_dirs=["csrc"],
     cxx_std=17,
     define_macros=macros,
-    extra_compile_args=flags + (["-fopenmp"] if DEBUG else []),
-    extra_link_args=["-fopenmp"],
+    extra_compile_args=flags,
+    extra_link_args=["-pthread"],
 )
 
 setup(

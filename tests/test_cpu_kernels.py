@@ -30,6 +30,24 @@ def test_linear_bf16_matches_fp32_reference(m, k, n, isa, invariant):
     torch.testing.assert_close(out_b.float(), ref_b.float(), rtol=2 ** -7, atol=1e-3)
 
 
+# Big enough (N * K >= 2^20) to split columns over the thread pool; n = 1100 leaves a ragged last task.
+@pytest.mark.parametrize("isa", list(GEMM_ISAS))
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+def test_threaded_linear_is_bit_identical_to_one_thread(m, isa, monkeypatch):
+    """Columns are split, never the reduction, so every thread count gives the same bits; 50 calls
+    back to back catch a worker that reads a finished job or misses a new one."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 1024, generator=g)
+    w = torch.randn(1100, 1024, generator=g).to(torch.bfloat16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    ref = linear_bf16(x, w, isa=isa)
+    torch.testing.assert_close(ref, F.linear(x, w.float()), rtol=1e-5, atol=1e-3)
+    for threads in (2, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        for _ in range(50):
+            assert torch.equal(linear_bf16(x, w, isa=isa), ref)
+
+
 # Threads take whole experts: 2 splits the 4 active experts, 5 leaves threads without one.
 @pytest.mark.parametrize("isa, invariant", MODES)
 @pytest.mark.parametrize("threads", [1, 2, 5])
@@ -92,3 +110,31 @@ def test_bf16_engine_logits_close_to_fp32_transformers(tiny_qwen3_moe):
     ref = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, dtype=torch.float32)(torch.tensor([ids])).logits[0, -1]
     assert (ours - ref).norm() / ref.norm() < 3e-2
     assert ours.argmax() == ref.argmax()
+
+
+def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monkeypatch):
+    """Shapes past the kernels' threading thresholds: tokens (mHC) and sequences (attention) are split over
+    the pool, each computed as on one thread, so 2 and 3 threads give the same bits as 1."""
+    from deepinfer.layers import cpu_ops
+
+    g = torch.Generator().manual_seed(11)
+    t, n, d = 130, 4, 512
+    streams = torch.randn(t, n, d, generator=g)
+    fn, base = torch.randn((2 + n) * n, n * d, generator=g) * 0.02, torch.randn((2 + n) * n, generator=g)
+    scale = torch.tensor([0.5, 0.5, 0.5])
+    block_out = torch.randn(t, d, generator=g)
+    b, h, hd, w, k = 16, 16, 128, 130, 3
+    q, ring, comp = torch.randn(b, h, hd, generator=g), torch.randn(b, w, hd, generator=g), torch.randn(b, k, hd, generator=g)
+    ring_len, valid, sinks = torch.randint(0, w + 1, (b,), generator=g), torch.rand(b, k, generator=g) > 0.3, torch.randn(h)
+
+    def run():
+        post, comb, collapsed = cpu_ops.hc_pre(streams, fn, base, scale, 3, 1e-6, 1e-6)
+        merged = cpu_ops.hc_merge(block_out, streams, post, comb)
+        return post, comb, collapsed, merged, cpu_ops.v4_decode_attention(q, ring, ring_len, comp, valid, sinks, 0.1)
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    ref = run()
+    for threads in (2, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        for ours, want in zip(run(), ref):
+            assert torch.equal(ours, want)

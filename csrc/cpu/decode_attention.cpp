@@ -1,13 +1,12 @@
 #include "cpu/decode_attention.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "cpu/bf16.h"
 #include "cpu/simd.h"
+#include "cpu/thread_pool.h"
 
 namespace deepinfer {
 namespace {
@@ -51,13 +50,13 @@ void v4_decode_attention(const void* q, const void* ring, const int64_t* ring_le
                          int64_t H, int64_t D, int64_t W, int64_t K, int num_threads) {
   // Sequences split across threads only when each gets enough work to beat the wake-up cost.
   const int threads = B * H * (W + K) * D >= (1 << 22) ? std::max(1, std::min<int>(num_threads, B)) : 1;
-#pragma omp parallel num_threads(threads)
-  {
+  parallel_for(threads, threads, [&](int64_t part) {
     std::vector<float> kv(static_cast<size_t>((W + K) * D)), work(static_cast<size_t>(2 * D + W + K));
-#pragma omp for
-    for (int64_t b = 0; b < B; ++b)
+    int64_t b0, b1;
+    split_range(B, threads, part, &b0, &b1);
+    for (int64_t b = b0; b < b1; ++b)
       attend_sequence(q, ring, ring_len, comp, comp_valid, sinks, scale, out, bf16, b, H, D, W, K, kv, work);
-  }
+  });
 }
 
 }  // namespace deepinfer

@@ -1,15 +1,16 @@
 #include "cpu/gemm_bf16.h"
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "cpu/bf16.h"
 #include "cpu/gemm_kernel.h"
 #include "cpu/simd.h"
+#include "cpu/thread_pool.h"
 #include "cpu/vec.h"
 
 namespace deepinfer {
@@ -26,6 +27,10 @@ constexpr int64_t WIDE_MIN_ROWS = 10;
 // Transposing x costs about what the tiles spend on ~150 columns (M=16, K=1024: 128 columns 0.9x,
 // 256 columns 1.3x the tiles' speed), so narrower outputs stay on the tiles.
 constexpr int64_t WIDE_MIN_COLS = 256;
+// Column tasks per thread: a thread that finishes early (the other core busy with torch or the OS)
+// takes more of them, so one slow core does not hold up the whole GEMM.
+constexpr int64_t COLUMN_TASKS_PER_THREAD = 4;
+constexpr int64_t COLUMN_ALIGN = 24;  // whole column blocks of every tile shape
 
 // x [M, K] -> [ceil(M/16)][K][16], rows past M zero; written in order, from 16 sequential read streams.
 std::vector<float> transpose_x(const float* x, int64_t M, int64_t K) {
@@ -92,12 +97,10 @@ void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t
   // Split N across threads only when each gets enough work to beat the wake-up cost.
   int threads = (N * K >= (1 << 20)) ? std::max(1, num_threads) : 1;
   if (threads == 1) return range(0, N);
-#pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t chunk = ((N + T - 1) / T + 23) / 24 * 24;  // whole column blocks of every tile shape
-    range(std::min<int64_t>(N, t * chunk), std::min<int64_t>(N, (t + 1) * chunk));
-  }
+  int64_t chunk = (N + threads * COLUMN_TASKS_PER_THREAD - 1) / (threads * COLUMN_TASKS_PER_THREAD);
+  chunk = (chunk + COLUMN_ALIGN - 1) / COLUMN_ALIGN * COLUMN_ALIGN;
+  parallel_for((N + chunk - 1) / chunk, threads,
+               [&](int64_t t) { range(t * chunk, std::min(N, (t + 1) * chunk)); });
 }
 
 void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,
@@ -119,39 +122,23 @@ void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* o
   if (bf16_io) store_row(out, 0, M * N, true, op);
 }
 
-// Cost of an expert in units of one row's FMAs: reading its weights costs about as much as this many
-// rows of compute at decode sizes (bandwidth ~8 GB/s against ~30 GFLOP/s on the 2-core AVX2 machines).
-constexpr int64_t EXPERT_READ_ROWS = 4;
-
 void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint8_t* skip,
                           const uint16_t* w13, const uint16_t* w2, float* y, int64_t H, int64_t I, float limit,
                           GemmMode mode, int num_threads) {
-  std::vector<int64_t> active, cost_end;  // experts this kernel runs; running cost after each
-  int64_t max_rows = 0, total = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = offsets[e + 1] - offsets[e];
-    if (rows == 0 || (skip && skip[e])) continue;
-    active.push_back(e);
-    total += rows + EXPERT_READ_ROWS;
-    cost_end.push_back(total);
-    max_rows = std::max(max_rows, rows);
-  }
-  // Whole experts per thread (not columns of each GEMM): one fork/join per layer instead of two per
-  // expert, and each thread streams its experts' weights from start to end.
-  int threads = static_cast<int>(std::min<int64_t>(std::max(1, num_threads), static_cast<int64_t>(active.size())));
-  auto run = [&](int t, int T) {
-    std::vector<float> scratch(static_cast<size_t>(max_rows) * 2 * I);
-    for (size_t i = 0; i < active.size(); ++i) {
-      int64_t mid = cost_end[i] - (offsets[active[i] + 1] - offsets[active[i]] + EXPERT_READ_ROWS) / 2;
-      if (mid * T / total != t) continue;  // the thread whose share holds this expert's midpoint
-      int64_t e = active[i];
-      expert_swiglu_bf16(x + offsets[e] * H, w13 + e * 2 * I * H, w2 + e * H * I, y + offsets[e] * H,
-                         scratch.data(), offsets[e + 1] - offsets[e], H, I, limit, mode);
-    }
-  };
-  if (threads <= 1) return run(0, 1);
-#pragma omp parallel num_threads(threads)
-  run(omp_get_thread_num(), omp_get_num_threads());
+  std::vector<int64_t> active;  // experts this kernel runs
+  for (int64_t e = 0; e < num_experts; ++e)
+    if (offsets[e + 1] > offsets[e] && !(skip && skip[e])) active.push_back(e);
+  auto rows = [&](int64_t e) { return offsets[e + 1] - offsets[e]; };
+  // Whole experts are the tasks (each streams its weights once, start to end), the busiest first so the
+  // last ones claimed are the short ones that even out the threads' finish times.
+  std::stable_sort(active.begin(), active.end(), [&](int64_t a, int64_t b) { return rows(a) > rows(b); });
+  // Each expert's [gate | up] scratch sits at its rows' offsets: no per-thread buffers, no zeroing.
+  std::unique_ptr<float[]> scratch(new float[static_cast<size_t>(offsets[num_experts] * 2 * I)]);
+  parallel_for(static_cast<int64_t>(active.size()), std::max(1, num_threads), [&](int64_t i) {
+    int64_t e = active[i];
+    expert_swiglu_bf16(x + offsets[e] * H, w13 + e * 2 * I * H, w2 + e * H * I, y + offsets[e] * H,
+                       scratch.get() + offsets[e] * 2 * I, rows(e), H, I, limit, mode);
+  });
 }
 
 }  // namespace deepinfer
