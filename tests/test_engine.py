@@ -225,3 +225,18 @@ def test_prompt_to_completion_handoff_matches_normal(tiny_llama):
     by_id = {h.request_id: i for i, h in enumerate(prefill.engine.handoffs)}
     for rid, tokens in done.items():
         assert tokens == normal[by_id[rid]].outputs[0].token_ids
+
+
+def test_finite_rows_flags_nan_and_both_infinities_but_not_huge_finite_logits():
+    """The sampler's finiteness check (amax / amin instead of isfinite over [B, V]) agrees with isfinite on
+    NaN, +inf and -inf anywhere in a row, and keeps rows of finite logits near float32's max (whose sum
+    would overflow)."""
+    from deepinfer.layers.sampler import finite_rows
+
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 500] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, 999] = float("-inf")
+    logits[4] = 3e38
+    logits[5, 7] = -3e38
+    assert finite_rows(logits).tolist() == torch.isfinite(logits).all(-1).tolist() == [True, False, False, False, True, True]

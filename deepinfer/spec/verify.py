@@ -7,7 +7,7 @@ without d. After the last accepted draft the target's own distribution gives the
 every emitted token is distributed exactly as the target's."""
 import torch
 
-from deepinfer.layers.sampler import SamplingBatch
+from deepinfer.layers.sampler import SamplingBatch, finite_rows
 from tilelang_ops.sampling import filter_ref
 
 
@@ -24,7 +24,7 @@ def verify_sequence(logits: torch.Tensor, drafts: list[int], params_row: Samplin
                     engine_generator) -> list[int]:
     """logits [1 + l, V] for the query rows of one sequence (last real token, then l drafts).
     Returns the accepted drafts plus one target token, or [-1] if the logits are not finite."""
-    if not torch.isfinite(logits).all():
+    if not bool(finite_rows(logits).all()):
         return [-1]
     if float(params_row.temperature[0]) == 0:
         target = logits.argmax(-1).tolist()
