@@ -113,7 +113,8 @@ def test_bf16_engine_logits_close_to_fp32_transformers(tiny_qwen3_moe):
 
 
 def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monkeypatch):
-    """Shapes past the kernels' threading thresholds: tokens (mHC) and sequences (attention) are split over
+    """Shapes past the kernels' threading thresholds: tokens (mHC), sequences (V4 attention) and
+    (sequence, kv head) pairs (paged attention) are split over
     the pool, each computed as on one thread, so 2 and 3 threads give the same bits as 1."""
     from deepinfer.layers import cpu_ops
 
@@ -127,10 +128,14 @@ def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monke
     q, ring, comp = torch.randn(b, h, hd, generator=g), torch.randn(b, w, hd, generator=g), torch.randn(b, k, hd, generator=g)
     ring_len, valid, sinks = torch.randint(0, w + 1, (b,), generator=g), torch.rand(b, k, generator=g) > 0.3, torch.randn(h)
 
+    k_cache, v_cache = torch.randn(2, 64, 16, 4, hd, generator=g)
+    tables, lens = torch.arange(64).view(16, 4), torch.randint(1, 65, (16,), generator=g)
+
     def run():
         post, comb, collapsed = cpu_ops.hc_pre(streams, fn, base, scale, 3, 1e-6, 1e-6)
         merged = cpu_ops.hc_merge(block_out, streams, post, comb)
-        return post, comb, collapsed, merged, cpu_ops.v4_decode_attention(q, ring, ring_len, comp, valid, sinks, 0.1)
+        return (post, comb, collapsed, merged, cpu_ops.v4_decode_attention(q, ring, ring_len, comp, valid, sinks, 0.1),
+                cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1))
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     ref = run()
@@ -138,3 +143,41 @@ def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monke
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         for ours, want in zip(run(), ref):
             assert torch.equal(ours, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, d", [(16, 4, 64), (4, 4, 37), (6, 1, 128)])
+def test_paged_decode_attention_matches_a_per_sequence_softmax(dtype, heads, kv_heads, d):
+    """Decode through the block tables (scattered block ids, -1 padding, contexts of 1 key, a block
+    boundary and a full table) against softmax(q k^T * scale) v per sequence in fp64; bf16 to one step
+    of the single output rounding."""
+    from deepinfer.layers.cpu_ops import paged_decode_attention
+
+    g = torch.Generator().manual_seed(heads + d)
+    block_size, max_blocks = 16, 5
+    lens = torch.tensor([1, 16, 17, 80, 33, 50])
+    k_cache = torch.randn(40, block_size, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(40, block_size, kv_heads, d, generator=g).to(dtype)
+    tables = torch.full((len(lens), max_blocks), -1, dtype=torch.int64)
+    ids = torch.randperm(40, generator=g)
+    for b, n in enumerate(lens.tolist()):
+        used = (n + block_size - 1) // block_size
+        tables[b, :used], ids = ids[:used], ids[used:]
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+    for b, n in enumerate(lens.tolist()):
+        rows = tables[b, :(n + block_size - 1) // block_size]
+        keys = k_cache[rows].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, 1)   # [n, H, D]
+        values = v_cache[rows].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, 1)
+        p = (torch.einsum("hd,nhd->hn", q[b].double(), keys) * d ** -0.5).softmax(-1)
+        ref = torch.einsum("hn,nhd->hd", p, values)
+        tol = dict(rtol=2 ** -7, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[b].double(), ref.to(dtype).double(), **tol)
+
+
+def test_paged_decode_attention_rejects_contexts_outside_the_table():
+    from deepinfer.layers.cpu_ops import paged_decode_attention
+
+    cache = torch.zeros(4, 16, 2, 8)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_decode_attention(torch.zeros(1, 2, 8), cache, cache, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0)

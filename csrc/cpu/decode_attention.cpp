@@ -1,5 +1,7 @@
 #include "cpu/decode_attention.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -11,7 +13,41 @@
 namespace deepinfer {
 namespace {
 
-// Sequence b: gathers its valid keys into kv [n, D] fp32, then each head's softmax-weighted sum.
+// exp(x[j] - m) for j < n, in place; returns their sum.
+float exp_shifted(float* x, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv));
+    _mm256_storeu_ps(x + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = hsum(total);
+  for (; j < n; ++j) sum += (x[j] = std::exp(x[j] - m));
+  return sum;
+}
+
+// One head: softmax(scale * keys q, with an optional sink logit) over n rows -> acc [D] = p values.
+// keys and values are [n, D] fp32 (the same rows for V4's shared K=V); p holds n floats of scratch.
+// A sink of -inf is no sink; with no rows and no sink the result is zero.
+void attend_head(const float* qf, const float* keys, const float* values, int64_t n, int64_t D, float scale,
+                 float sink, float* p, float* acc) {
+  std::fill(acc, acc + D, 0.0f);
+  float m = sink;
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = dot(qf, keys + j * D, D) * scale;
+    m = std::max(m, p[j]);
+  }
+  if (m == -INFINITY) return;
+  const float denom = exp_shifted(p, n, m) + std::exp(sink - m);
+  for (int64_t j = 0; j < n; ++j) {
+    const float wj = p[j] / denom;
+    for (int64_t d = 0; d < D; ++d) acc[d] += wj * values[j * D + d];
+  }
+}
+
+// V4 sequence b: gathers its valid keys into kv [n, D] fp32, then each head's softmax-weighted sum.
 void attend_sequence(const void* q, const void* ring, const int64_t* ring_len, const void* comp,
                      const uint8_t* comp_valid, const float* sinks, float scale, void* out, bool bf16, int64_t b,
                      int64_t H, int64_t D, int64_t W, int64_t K, std::vector<float>& kv, std::vector<float>& work) {
@@ -24,21 +60,7 @@ void attend_sequence(const void* q, const void* ring, const int64_t* ring_len, c
   float* acc = p + W + K;         // [D]
   for (int64_t h = 0; h < H; ++h) {
     load_row(q, (b * H + h) * D, D, bf16, qf);
-    float m = sinks[h];
-    for (int64_t j = 0; j < n; ++j) {
-      p[j] = dot(qf, &kv[j * D], D) * scale;
-      m = std::max(m, p[j]);
-    }
-    float denom = std::exp(sinks[h] - m);
-    std::fill(acc, acc + D, 0.0f);
-    for (int64_t j = 0; j < n; ++j) {
-      p[j] = std::exp(p[j] - m);
-      denom += p[j];
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const float wj = p[j] / denom;
-      for (int64_t d = 0; d < D; ++d) acc[d] += wj * kv[j * D + d];
-    }
+    attend_head(qf, kv.data(), kv.data(), n, D, scale, sinks[h], p, acc);
     store_row(out, (b * H + h) * D, D, bf16, acc);
   }
 }
@@ -56,6 +78,34 @@ void v4_decode_attention(const void* q, const void* ring, const int64_t* ring_le
     split_range(B, threads, part, &b0, &b1);
     for (int64_t b = b0; b < b1; ++b)
       attend_sequence(q, ring, ring_len, comp, comp_valid, sinks, scale, out, bf16, b, H, D, W, K, kv, work);
+  });
+}
+
+// Task (b, g): sequence b's keys and values of kv head g, gathered through its block table into fp32
+// [n, D] buffers, then the H / Hkv query heads of the group.
+void paged_decode_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                            const int64_t* context_lens, float scale, void* out, bool bf16, int64_t B, int64_t H,
+                            int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int num_threads) {
+  const int64_t group = H / Hkv, max_keys = max_blocks * block_size;
+  const int threads = B * H * max_keys * D >= (1 << 20) ? std::max(1, num_threads) : 1;
+  parallel_for(threads, threads, [&](int64_t part) {
+    std::vector<float> keys(static_cast<size_t>(max_keys * D)), values(keys.size());
+    std::vector<float> qf(static_cast<size_t>(D)), p(static_cast<size_t>(max_keys)), acc(qf.size());
+    int64_t t0, t1;
+    split_range(B * Hkv, threads, part, &t0, &t1);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / Hkv, g = t % Hkv, n = std::min(context_lens[b], max_keys);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t row = (block_tables[b * max_blocks + j / block_size] * block_size + j % block_size) * Hkv + g;
+        load_row(k_cache, row * D, D, bf16, &keys[j * D]);
+        load_row(v_cache, row * D, D, bf16, &values[j * D]);
+      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        load_row(q, (b * H + h) * D, D, bf16, qf.data());
+        attend_head(qf.data(), keys.data(), values.data(), n, D, scale, -INFINITY, p.data(), acc.data());
+        store_row(out, (b * H + h) * D, D, bf16, acc.data());
+      }
+    }
   });
 }
 

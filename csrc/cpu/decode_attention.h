@@ -1,5 +1,8 @@
 #pragma once
-// DeepSeek-V4 decode attention on the CPU (tilelang_ops/v4_decode_attention.py states the math; its torch
+// Decode attention on the CPU: one query row per sequence, keys widened to fp32 once per sequence (and
+// kv head) and read by every query head that shares them.
+//
+// DeepSeek-V4 decode attention (tilelang_ops/v4_decode_attention.py states the math; its torch
 // reference spends most of its ~1.8 ms per medium-model layer at batch 16 on copies and dispatch).
 // One query row per sequence, H heads over one shared K=V set: the sequence's valid window rows and
 // compressed entries, widened to fp32 once and read by every head; the per-head sink joins the softmax.
@@ -12,5 +15,13 @@ namespace deepinfer {
 void v4_decode_attention(const void* q, const void* ring, const int64_t* ring_len, const void* comp,
                          const uint8_t* comp_valid, const float* sinks, float scale, void* out, bool bf16, int64_t B,
                          int64_t H, int64_t D, int64_t W, int64_t K, int num_threads);
+
+// Paged GQA decode (Llama / Qwen3 layers): q [B, H, D]; k_cache, v_cache [blocks, block_size, Hkv, D];
+// block_tables [B, max_blocks] int64; context_lens [B] int64 (>= 1: the new token's key is stored
+// already). Head h attends over keys [0, context_lens[b]) of kv head h / (H / Hkv) -> out [B, H, D].
+// All tensors float, or all bf16 when bf16 (out rounded once).
+void paged_decode_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                            const int64_t* context_lens, float scale, void* out, bool bf16, int64_t B, int64_t H,
+                            int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int num_threads);
 
 }  // namespace deepinfer

@@ -105,4 +105,16 @@ void bind_cpu_kernels(py::module_& m) {
       },
       py::call_guard<py::gil_scoped_release>(),
       "DeepSeek-V4 decode attention: q [B,H,D] over ring [B,W,D] (first ring_len rows) and comp [B,K,D] where valid");
+  m.def(
+      "paged_decode_attention",
+      [](uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t context_lens, float scale,
+         uintptr_t out, bool bf16, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
+         int threads) {
+        paged_decode_attention(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k_cache),
+                               reinterpret_cast<const void*>(v_cache), reinterpret_cast<const int64_t*>(block_tables),
+                               reinterpret_cast<const int64_t*>(context_lens), scale, reinterpret_cast<void*>(out), bf16,
+                               B, H, Hkv, D, block_size, max_blocks, threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "Paged GQA decode attention: q [B,H,D] over each sequence's first context_lens keys of its block table");
 }

@@ -2,6 +2,7 @@
 import torch
 import torch.nn.functional as F
 
+from deepinfer.layers import cpu_ops
 from deepinfer.layers.attention_metadata import AttentionMetadata
 
 
@@ -17,7 +18,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [T, H, D] over each sequence's cached keys (causal) -> [T, H, D].
 
     Keys are gathered per sequence through its block table into [B, max_blocks * block_size];
-    queries are padded to [B, max_query_len]; one masked SDPA call covers the batch."""
+    queries are padded to [B, max_query_len]; one masked SDPA call covers the batch. Decode on CPU (one
+    query per sequence) goes to the C++ kernel instead, which reads the cache in place: the gather, widening
+    and padded SDPA cost more than the decode step's GEMMs at batches of 16-64."""
+    if meta.max_query_len == 1 and q.device.type == "cpu" and q.dtype in cpu_ops.STREAM_DTYPES \
+            and k_cache.dtype == q.dtype:
+        return cpu_ops.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                              meta.context_lens, scale)
     # fp32 math: torch's bf16 SDPA on AVX2 CPUs is several times slower than converting first.
     block_tables = meta.block_tables.clamp(min=0)
     keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2).float()    # [B, Hkv, L, D]

@@ -131,3 +131,26 @@ def v4_decode_attention(q: torch.Tensor, ring: torch.Tensor, ring_len: torch.Ten
                            sinks32.data_ptr(), float(scale), out.data_ptr(), q.dtype == torch.bfloat16, B, H, D, W, K,
                            torch.get_num_threads())
     return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, max_blocks] (-1 padded);
+    context_lens [B] >= 1 -> [B, H, D]: each query over its sequence's first context_lens cached keys.
+    All of q and the caches fp32, or all bf16. See csrc/cpu/decode_attention.h."""
+    _check(q, "q", STREAM_DTYPES, 3)
+    _check(k_cache, "k_cache", q.dtype, 4)
+    _check(v_cache, "v_cache", q.dtype, 4)
+    b, h, d = q.shape
+    blocks, block_size, hkv, _ = k_cache.shape
+    tables, lens = block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous()
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != d or h % hkv or tables.shape[0] != b or lens.shape != (b,):
+        raise ValueError(f"paged_decode_attention shapes disagree: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"block_tables {tuple(tables.shape)}, context_lens {tuple(lens.shape)}")
+    if b and (int(lens.min()) < 1 or int(lens.max()) > tables.shape[1] * block_size):
+        raise ValueError(f"context_lens must lie in [1, {tables.shape[1] * block_size}], got {lens.tolist()}")
+    out = torch.empty_like(q)
+    _C.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                              float(scale), out.data_ptr(), q.dtype == torch.bfloat16, b, h, hkv, d, block_size,
+                              tables.shape[1], torch.get_num_threads())
+    return out
