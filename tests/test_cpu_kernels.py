@@ -4,10 +4,15 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer import LLM
-from deepinfer.layers.cpu_ops import GEMM_ISAS, grouped_experts_bf16, linear_bf16
+from deepinfer.layers.cpu_ops import BF16_INPUT_ISAS, GEMM_ISAS, grouped_experts_bf16, linear_bf16
 
 # Every kernel ISA this CPU runs, each with and without the batch-invariant reduction order.
 MODES = [(isa, inv) for isa in GEMM_ISAS for inv in (False, True)]
+
+
+def kernel_input(x: torch.Tensor, isa: str) -> torch.Tensor:
+    """What the kernel of this ISA multiplies: x itself, or x rounded to bf16 for bf16 dot products."""
+    return x.to(torch.bfloat16).float() if isa in BF16_INPUT_ISAS else x
 
 
 # m covers the tile paths (1-9), the wide path's padded and whole 16-row groups with a tiled remainder
@@ -20,7 +25,7 @@ def test_linear_bf16_matches_fp32_reference(m, k, n, isa, invariant):
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
-    ref = F.linear(x, w.float(), bias.float())
+    ref = F.linear(kernel_input(x, isa), w.float(), bias.float())
     out = linear_bf16(x, w, bias, isa=isa, invariant=invariant)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
     xb = x.to(torch.bfloat16)  # bf16 in and out: one rounding of the fp32 result (to 1 bf16 step, 2^-7 relative)
@@ -41,7 +46,7 @@ def test_threaded_linear_is_bit_identical_to_one_thread(m, isa, monkeypatch):
     w = torch.randn(1100, 1024, generator=g).to(torch.bfloat16)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     ref = linear_bf16(x, w, isa=isa)
-    torch.testing.assert_close(ref, F.linear(x, w.float()), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(ref, F.linear(kernel_input(x, isa), w.float()), rtol=1e-5, atol=1e-3)
     for threads in (2, 3):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         for _ in range(50):
@@ -63,10 +68,13 @@ def test_grouped_experts_match_loop_reference(limit, threads, isa, invariant, mo
     out = grouped_experts_bf16(x, counts, w13, w2, limit, isa=isa, invariant=invariant)
     start, ref = 0, []
     for expert, c in enumerate(counts.tolist()):
-        gate, up = F.linear(x[start:start + c], w13[expert].float()).chunk(2, -1)
-        ref.append(F.linear(F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit), w2[expert].float()))
+        gate, up = F.linear(kernel_input(x[start:start + c], isa), w13[expert].float()).chunk(2, -1)
+        act = kernel_input(F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit), isa)
+        ref.append(F.linear(act, w2[expert].float()))
         start += c
-    torch.testing.assert_close(out, torch.cat(ref), rtol=1e-4, atol=1e-4)
+    # bf16 inputs: an activation a hair from a rounding boundary may round the other way (one bf16 step).
+    tol = dict(rtol=1e-2, atol=2e-2) if isa in BF16_INPUT_ISAS else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, torch.cat(ref), **tol)
 
 
 def test_expert_activation_at_extreme_gates_and_nan():

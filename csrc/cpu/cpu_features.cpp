@@ -62,6 +62,7 @@ bool isa_supported(Isa isa) {
   switch (isa) {
     case Isa::AVX2: return f.avx2 && f.fma;
     case Isa::AVX512: return f.avx512f && f.avx512bw && f.avx512vl;
+    case Isa::AVX512_BF16: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16;
   }
   return false;
 }

@@ -14,8 +14,9 @@ struct CpuFeatures {
 
 const CpuFeatures& cpu_features();
 
-// The GEMM kernels compiled into the extension, by the vector width they use.
-enum class Isa : int { AVX2 = 0, AVX512 = 1 };
+// The GEMM kernels compiled into the extension, by the instructions they use. AVX512_BF16 rounds the
+// activations to bf16 (its dot products take bf16 pairs); the others read them in fp32.
+enum class Isa : int { AVX2 = 0, AVX512 = 1, AVX512_BF16 = 2 };
 
 bool isa_supported(Isa isa);
 

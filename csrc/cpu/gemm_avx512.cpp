@@ -14,6 +14,7 @@
 #pragma GCC push_options
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_*, which -Wmaybe-uninitialized misreads.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 #include "cpu/gemm_kernel.h"
 #include "cpu/vec_avx512.h"

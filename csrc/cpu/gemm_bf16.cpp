@@ -15,9 +15,11 @@
 
 namespace deepinfer {
 
-// gemm_avx512.cpp: the same kernel compiled for AVX-512.
+// gemm_avx512.cpp, gemm_avx512bf16.cpp: the same kernel compiled for AVX-512, and with bf16 dot products.
 void gemm_columns_avx512(const float* x, const float* xt, int64_t wide, const uint16_t* w, float* out, int64_t M,
                          int64_t K, int64_t N, int64_t n0, int64_t n1, bool invariant);
+void gemm_columns_avx512bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
+                             int64_t n0, int64_t n1, bool invariant);
 
 namespace {
 
@@ -48,8 +50,10 @@ std::vector<float> transpose_x(const float* x, int64_t M, int64_t K) {
   return xt;
 }
 
-void gemm_columns(Isa isa, const float* x, const float* xt, int64_t wide, const uint16_t* w, float* out, int64_t M,
-                  int64_t K, int64_t N, int64_t n0, int64_t n1, bool invariant) {
+// x_bf16: x rounded to bf16, for AVX512_BF16 only.
+void gemm_columns(Isa isa, const float* x, const uint16_t* x_bf16, const float* xt, int64_t wide, const uint16_t* w,
+                  float* out, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, bool invariant) {
+  if (isa == Isa::AVX512_BF16) return gemm_columns_avx512bf16(x_bf16, w, out, M, K, N, n0, n1, invariant);
   if (isa == Isa::AVX512) return gemm_columns_avx512(x, xt, wide, w, out, M, K, N, n0, n1, invariant);
   kernel::gemm_columns<Avx2>(x, xt, wide, w, out, M, K, N, n0, n1, invariant);
 }
@@ -87,12 +91,15 @@ void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t
                int num_threads) {
   // Whole 16-row groups, and a last partial one of at least WIDE_MIN_ROWS rows (its zero padding
   // costs less than the tiles), go the wide path; a shorter remainder goes through the tiles.
-  int64_t wide = N < WIDE_MIN_COLS || mode.invariant ? 0
-                 : M % GEMM_GROUP >= WIDE_MIN_ROWS  ? M
-                                                    : M / GEMM_GROUP * GEMM_GROUP;
+  const bool pairs = mode.isa == Isa::AVX512_BF16;  // bf16 dot products: no wide path, x rounded once
+  int64_t wide = N < WIDE_MIN_COLS || mode.invariant || pairs ? 0
+                 : M % GEMM_GROUP >= WIDE_MIN_ROWS          ? M
+                                                            : M / GEMM_GROUP * GEMM_GROUP;
   std::vector<float> xt = transpose_x(x, wide, K);
+  std::vector<uint16_t> xb(pairs ? static_cast<size_t>(M * K) : 0);
+  if (pairs) store_row(xb.data(), 0, M * K, true, x);
   auto range = [&](int64_t n0, int64_t n1) {
-    gemm_columns(mode.isa, x, xt.data(), wide, w, out, M, K, N, n0, n1, mode.invariant);
+    gemm_columns(mode.isa, x, xb.data(), xt.data(), wide, w, out, M, K, N, n0, n1, mode.invariant);
   };
   // Split N across threads only when each gets enough work to beat the wake-up cost.
   int threads = (N * K >= (1 << 20)) ? std::max(1, num_threads) : 1;

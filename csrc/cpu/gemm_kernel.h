@@ -1,6 +1,8 @@
 #pragma once
 // The bf16-weight GEMM kernel, written once against a vector traits struct V (vec.h: Avx2,
-// vec_avx512.h: Avx512) and instantiated in the translation unit compiled for each ISA.
+// vec_avx512.h: Avx512 and Avx512Bf16) and instantiated in the translation unit compiled for each ISA.
+// V::xtype is what x holds (float, or bf16 for the bf16 dot-product ISA); V::fma(x, w, acc) adds
+// V::LANES products of x and w into acc's fp32 lanes.
 // Everything here is a template, so the instantiations of different ISAs never share a symbol.
 // gemm_bf16.cpp holds what does not depend on the ISA (splitting rows and threads, SwiGLU, experts).
 #include <immintrin.h>
@@ -20,7 +22,7 @@ namespace kernel {
 // lane j of k = j mod LANES, then the lanes in a fixed order, then the tail: the same order for any
 // R and C, which makes the tiles alone batch-invariant.
 template <class V, int R, int C>
-void tile(const float* x, const uint16_t* w, float* out, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+void tile(const typename V::xtype* x, const uint16_t* w, float* out, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   typename V::reg acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
@@ -29,33 +31,33 @@ void tile(const float* x, const uint16_t* w, float* out, int64_t m0, int64_t n0,
   // these parallel row streams (measured ~6 vs ~9 GB/s on the 2-core AVX2 machines).
   const bool prefetch = n0 + 2 * C <= N;
   for (; k + V::LANES <= K; k += V::LANES) {
-    typename V::reg wv[C];
+    typename V::wreg wv[C];
     if (prefetch && (k & 31) == 0)
       for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + C + c) * K + k), _MM_HINT_T0);
     for (int c = 0; c < C; ++c) wv[c] = V::load_bf16(w + (n0 + c) * K + k);
     for (int r = 0; r < R; ++r) {
-      typename V::reg xv = V::load(x + (m0 + r) * K + k);
+      typename V::xreg xv = V::load_x(x + (m0 + r) * K + k);
       for (int c = 0; c < C; ++c) acc[r][c] = V::fma(xv, wv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       float s = V::sum(acc[r][c]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[(m0 + r) * K + kk] * from_bf16(w[(n0 + c) * K + kk]);
+      for (int64_t kk = k; kk < K; ++kk) s += V::x_at(x, (m0 + r) * K + kk) * from_bf16(w[(n0 + c) * K + kk]);
       out[(m0 + r) * N + n0 + c] = s;
     }
 }
 
 // Weight rows [n0, n0+C) stay in L1 while every row block of x passes over them.
 template <class V, int R, int C>
-void column_block(const float* x, const uint16_t* w, float* out, int64_t M, int64_t n0, int64_t K, int64_t N) {
+void column_block(const typename V::xtype* x, const uint16_t* w, float* out, int64_t M, int64_t n0, int64_t K, int64_t N) {
   int64_t m = 0;
   for (; m + R <= M; m += R) tile<V, R, C>(x, w, out, m, n0, K, N);
   for (; m < M; ++m) tile<V, 1, C>(x, w, out, m, n0, K, N);
 }
 
 template <class V, int R, int C>
-void columns(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+void columns(const typename V::xtype* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
              int64_t n1) {
   int64_t n = n0;
   for (; n + C <= n1; n += C) column_block<V, R, C>(x, w, out, M, n, K, N);
@@ -73,7 +75,7 @@ constexpr int64_t STREAM_PREFETCH = 1024;
 // Weight rows [n0, n1) one at a time, front to back, each against all R rows of x; A accumulators per
 // row of x hide the FMA latency.
 template <class V, int R, int A>
-void stream_rows(const float* x, const uint16_t* w, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void stream_rows(const typename V::xtype* x, const uint16_t* w, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   constexpr int L = V::LANES;
   const char* end = reinterpret_cast<const char*>(w + n1 * K);
   for (int64_t n = n0; n < n1; ++n) {
@@ -86,19 +88,19 @@ void stream_rows(const float* x, const uint16_t* w, float* out, int64_t K, int64
       const char* ahead = reinterpret_cast<const char*>(row + k) + STREAM_PREFETCH;
       if ((k * 2) % 64 == 0 && ahead < end) _mm_prefetch(ahead, _MM_HINT_T0);  // once per line
       for (int a = 0; a < A; ++a) {
-        typename V::reg wv = V::load_bf16(row + k + L * a);
-        for (int r = 0; r < R; ++r) acc[r][a] = V::fma(V::load(x + r * K + k + L * a), wv, acc[r][a]);
+        typename V::wreg wv = V::load_bf16(row + k + L * a);
+        for (int r = 0; r < R; ++r) acc[r][a] = V::fma(V::load_x(x + r * K + k + L * a), wv, acc[r][a]);
       }
     }
     for (; k + L <= K; k += L) {
-      typename V::reg wv = V::load_bf16(row + k);
-      for (int r = 0; r < R; ++r) acc[r][0] = V::fma(V::load(x + r * K + k), wv, acc[r][0]);
+      typename V::wreg wv = V::load_bf16(row + k);
+      for (int r = 0; r < R; ++r) acc[r][0] = V::fma(V::load_x(x + r * K + k), wv, acc[r][0]);
     }
     for (int r = 0; r < R; ++r) {
       typename V::reg v = acc[r][0];
       for (int a = 1; a < A; ++a) v = V::add(v, acc[r][a]);
       float s = V::sum(v);
-      for (int64_t kk = k; kk < K; ++kk) s += x[r * K + kk] * from_bf16(row[kk]);
+      for (int64_t kk = k; kk < K; ++kk) s += V::x_at(x, r * K + kk) * from_bf16(row[kk]);
       out[r * N + n] = s;
     }
   }
@@ -107,7 +109,7 @@ void stream_rows(const float* x, const uint16_t* w, float* out, int64_t K, int64
 // Dot-product paths by M. Up to 3 rows of x over short weight rows stream the weights instead (at 4
 // rows the tiles read as fast, and their accumulators would spill). invariant: tiles only.
 template <class V>
-void gemm_range(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+void gemm_range(const typename V::xtype* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
                 int64_t n1, bool invariant) {
   if (K <= STREAM_MAX_K && !invariant) {
     if (M == 1) return stream_rows<V, 1, 4>(x, w, out, K, N, n0, n1);
@@ -174,11 +176,12 @@ void wide_range(const float* xt, const uint16_t* w, float* out, int64_t M, int64
 }
 
 // Output columns [n0, n1): the first `wide` rows (whole groups, transposed in xt) by outer products,
-// the rest by dot-product tiles.
+// the rest by dot-product tiles. ISAs without outer products (WIDE_N 0) take wide = 0.
 template <class V>
-void gemm_columns(const float* x, const float* xt, int64_t wide, const uint16_t* w, float* out, int64_t M, int64_t K,
-                  int64_t N, int64_t n0, int64_t n1, bool invariant) {
-  if (wide > 0) wide_range<V>(xt, w, out, wide, K, N, n0, n1);
+void gemm_columns(const typename V::xtype* x, const float* xt, int64_t wide, const uint16_t* w, float* out, int64_t M,
+                  int64_t K, int64_t N, int64_t n0, int64_t n1, bool invariant) {
+  if constexpr (V::WIDE_N > 0)
+    if (wide > 0) wide_range<V>(xt, w, out, wide, K, N, n0, n1);
   if (wide < M) gemm_range<V>(x + wide * K, w, out + wide * N, M - wide, K, N, n0, n1, invariant);
 }
 

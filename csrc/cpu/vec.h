@@ -13,6 +13,9 @@ namespace deepinfer {
 
 struct Avx2 {
   using reg = __m256;
+  using xtype = float;
+  using xreg = reg;
+  using wreg = reg;
   static constexpr int LANES = 8;
   // Tile shapes measured best with 16 ymm registers: a GEMV keeps 8 weight streams in flight; small M
   // shares 4 widened weight vectors across 2 rows; larger M shares 3 across 4 rows (12 accumulators +
@@ -21,6 +24,8 @@ struct Avx2 {
 
   static reg zero() { return _mm256_setzero_ps(); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static xreg load_x(const float* p) { return load(p); }
+  static float x_at(const float* x, int64_t i) { return x[i]; }
   static reg load_bf16(const uint16_t* p) {
     __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));

@@ -1,6 +1,6 @@
 #pragma once
 // AVX-512 traits for gemm_kernel.h. Include only below `#pragma GCC target("avx512f,avx512bw,avx512vl")`
-// (gemm_avx512.cpp): these functions must not be compiled into code that runs on AVX2-only CPUs.
+// (gemm_avx512*.cpp): these functions must not be compiled into code that runs on AVX2-only CPUs.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -9,6 +9,9 @@ namespace deepinfer {
 
 struct Avx512 {
   using reg = __m512;
+  using xtype = float;
+  using xreg = reg;
+  using wreg = reg;
   static constexpr int LANES = 16;
   // 32 zmm registers: the big tile shares 6 weight vectors across 4 rows (24 accumulators + 6 + 1),
   // the wide path's outer products take 12 weight rows (12 accumulators of one 16-row group).
@@ -16,6 +19,8 @@ struct Avx512 {
 
   static reg zero() { return _mm512_setzero_ps(); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static xreg load_x(const float* p) { return load(p); }
+  static float x_at(const float* x, int64_t i) { return x[i]; }
   static reg load_bf16(const uint16_t* p) {
     __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -32,6 +37,24 @@ struct Avx512 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+};
+
+// AVX512-BF16: vdpbf16ps multiplies 16 pairs of bf16 and adds each pair's sum into an fp32 lane, twice the
+// products per instruction of widening the weights and FMA-ing fp32, with no widening ops at all. x must be
+// bf16 as well (rounded once per GEMM; exact when the activations are bf16 to begin with). Dot products
+// only: no outer-product (wide) path. Include below a target pragma with avx512bf16 (gemm_avx512bf16.cpp),
+// with cpu/bf16.h included above it.
+struct Avx512Bf16 : Avx512 {
+  using xtype = uint16_t;
+  using xreg = __m512bh;
+  using wreg = __m512bh;
+  static constexpr int LANES = 32;  // k per step: 16 pairs
+  static constexpr int WIDE_N = 0;
+
+  static xreg load_x(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static wreg load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static reg fma(xreg x, wreg w, reg acc) { return _mm512_dpbf16_ps(acc, x, w); }
+  static float x_at(const uint16_t* x, int64_t i) { return from_bf16(x[i]); }
 };
 
 }  // namespace deepinfer

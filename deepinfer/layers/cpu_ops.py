@@ -8,6 +8,11 @@ from deepinfer import _C
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
 # Our GEMM kernels that run on this CPU, fastest ISA first: {name: id} (csrc/cpu/cpu_features.cpp).
 GEMM_ISAS = dict(reversed(_C.cpu_features()["gemm_isas"]))
+# ISAs whose dot products take bf16 pairs: they round fp32 activations to bf16 first, as torch's bf16
+# GEMM does (exact for bf16 activations). The others read activations in fp32.
+BF16_INPUT_ISAS = {"avx512bf16"}
+# The default ISA: the fastest that keeps fp32 activations exact.
+EXACT_ISA = next(isa for isa in GEMM_ISAS if isa not in BF16_INPUT_ISAS)
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) -> None:
@@ -19,7 +24,7 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) ->
 
 def _isa_id(isa: str | None) -> int:
     if isa is None:
-        return next(iter(GEMM_ISAS.values()))
+        return GEMM_ISAS[EXACT_ISA]
     if isa not in GEMM_ISAS:
         raise ValueError(f"GEMM isa {isa!r} does not run on this CPU; available: {list(GEMM_ISAS)}")
     return GEMM_ISAS[isa]
@@ -28,7 +33,7 @@ def _isa_id(isa: str | None) -> int:
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None,
                 invariant: bool = False) -> torch.Tensor:
     """x [..., K] fp32 or bf16; w [N, K] bf16; bias [N] bf16 or None -> [..., N] in x.dtype (fp32
-    accumulation, one rounding to x.dtype). isa: a key of GEMM_ISAS (None: the widest); invariant: the
+    accumulation, one rounding to x.dtype). isa: a key of GEMM_ISAS (None: EXACT_ISA); invariant: the
     same reduction order for every M (batch-invariant results)."""
     _check(w, "weight", torch.bfloat16, 2)
     n, k = w.shape
@@ -53,7 +58,8 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     """x [S, H] fp32 rows sorted by expert; counts [E] rows per expert; w13 [E, 2I, H] bf16 (gate
     rows, then up); w2 [E, H, I] bf16 -> [S, H] fp32, each row through its expert's SwiGLU with
     gate <= limit and |up| <= limit (swiglu_limit; inf: none). skip [E] bool: experts whose rows the
-    caller computes (their rows are left unwritten). isa, invariant: as linear_bf16."""
+    caller computes (their rows are left unwritten). isa, invariant: as linear_bf16 (a BF16_INPUT_ISAS
+    kernel rounds x and the SwiGLU output to bf16 before each GEMM, as torch's bf16 experts do)."""
     _check(x, "x", torch.float32, 2)
     _check(w13, "w13", torch.bfloat16, 3)
     _check(w2, "w2", torch.bfloat16, 3)

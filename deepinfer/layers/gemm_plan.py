@@ -7,7 +7,7 @@ fastest kept. Plans are cached on disk by CPU, torch version, extension build an
 The engine calibrates its model's shapes at start (`prepare`) and logs the table; a shape first met
 later is calibrated on that call.
 
-Paths: "cpu-<isa>" (our kernel), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations
+Paths: "cpu-<isa>" (our kernel; ISAs in cpu_ops.BF16_INPUT_ISAS for bf16 activations only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations
 only, as it rounds its input and output to bf16), "torch-fp32" (F.linear on widened weights: MKL's
 sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel
 and torch-bf16, by the expert's row count.
@@ -97,14 +97,21 @@ class GemmPlan:
         self.table: dict[tuple, str] = {}  # _key(...) -> path
         self._loaded_threads = None
 
-    def cpu_paths(self) -> list[str]:
-        return [f"cpu-{isa}" for isa in cpu_ops.GEMM_ISAS]
+    @staticmethod
+    def cpu_paths(dtype: torch.dtype = torch.bfloat16) -> list[str]:
+        """Our kernel per ISA that keeps activations of this dtype exact (bf16 dot products only for bf16)."""
+        return [f"cpu-{isa}" for isa in cpu_ops.GEMM_ISAS
+                if dtype == torch.bfloat16 or isa not in cpu_ops.BF16_INPUT_ISAS]
+
+    @staticmethod
+    def invariant_path() -> str:
+        return f"cpu-{cpu_ops.EXACT_ISA}"
 
     # -- lookups --------------------------------------------------------------------------------------
 
     def linear_path(self, dtype: torch.dtype, m: int, w: torch.Tensor) -> str:
         if self.invariant:
-            return self.cpu_paths()[0]
+            return self.invariant_path()
         if dtype not in cpu_ops.STREAM_DTYPES:
             return "torch-fp32"
         self._load()
@@ -117,7 +124,7 @@ class GemmPlan:
         """w13 [E, 2I, H], w2 [E, H, I], counts [E] rows per expert -> (our grouped kernel's path, the
         experts that run through torch-bf16 instead)."""
         if self.invariant:
-            return self.cpu_paths()[0], []
+            return self.invariant_path(), []
         self._load()
         shape = _expert_shape(w13)
         missing = sorted({bucket(c) for c in counts if c and _key("experts", *shape, bucket(c)) not in self.table})
@@ -135,7 +142,7 @@ class GemmPlan:
         from deepinfer.layers.moe import FusedMoE
 
         if self.invariant:
-            logger.info("GEMM plan: batch-invariant, every GEMM on %s (%s)", self.cpu_paths()[0], platform.cpu_flags())
+            logger.info("GEMM plan: batch-invariant, every GEMM on %s (%s)", self.invariant_path(), platform.cpu_flags())
             return
         self._load()
         todo = buckets_up_to(max_rows)
@@ -160,7 +167,7 @@ class GemmPlan:
         gen = torch.Generator().manual_seed(0)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(dtype)
-            paths = self.cpu_paths() + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
+            paths = self.cpu_paths(dtype) + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
             best, times = fastest({p: (lambda p=p: run_linear(p, x, w_cal, None)) for p in paths})
             self.table[_key("linear", dtype, n, k, m)] = best
             logger.debug("GEMM calibration linear %dx%d rows %d: %s", n, k, m, _fmt(times))
