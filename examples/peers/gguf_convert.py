@@ -2,23 +2,23 @@
 
     python gguf_convert.py LLAMA_SRC MODEL_DIR OUT.gguf OUTTYPE
 
-The benchmark checkpoints ship no tokenizer, so a staging directory links the weights and adds a
-small byte-level BPE tokenizer (the converter pads the vocabulary to vocab_size). Its pre-tokenizer
-hash is unknown to the converter, which refuses it; any known BPE pre-tokenizer is fine for
-throughput runs, so "gpt-2" is declared."""
-import glob
+A staging directory links the weights and copies every other file, so nothing written there (the
+tokenizer below) can reach the checkpoint through a link. The benchmark checkpoints ship no tokenizer:
+then a small byte-level BPE one is added (the converter pads the vocabulary to vocab_size). Its
+pre-tokenizer hash is unknown to the converter, which refuses it; any known BPE pre-tokenizer is fine
+for throughput runs, so "gpt-2" is declared. OUT.gguf appears only when complete (written beside it,
+then renamed): a killed conversion never leaves a truncated GGUF that later runs would take as done."""
 import json
 import os
+import shutil
 import sys
 import tempfile
 
 
-def stage(model_dir: str, out: str) -> str:
+def train_tokenizer(model_dir: str, out: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    for f in glob.glob(os.path.join(model_dir, "*.json")) + glob.glob(os.path.join(model_dir, "*.safetensors")):
-        os.symlink(os.path.abspath(f), os.path.join(out, os.path.basename(f)))
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     vocab = min(512, json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"])
@@ -27,6 +27,17 @@ def stage(model_dir: str, out: str) -> str:
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(out)
+
+
+def stage(model_dir: str, out: str) -> str:
+    for name in os.listdir(model_dir):
+        src, dst = os.path.join(os.path.abspath(model_dir), name), os.path.join(out, name)
+        if name.endswith(".safetensors"):
+            os.symlink(src, dst)  # read only; GBs
+        elif os.path.isfile(src):
+            shutil.copy(src, dst)  # small; a copy, so the converter's side can never write into the checkpoint
+    if not any(os.path.exists(os.path.join(out, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        train_tokenizer(model_dir, out)
     return out
 
 
@@ -40,9 +51,11 @@ def main():
     except ImportError:
         base = getattr(conv, "TextModel", None) or getattr(conv, "Model")
     base.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    tmp_file = out_file + ".tmp"
     with tempfile.TemporaryDirectory() as tmp:
-        sys.argv = ["convert_hf_to_gguf.py", stage(model_dir, tmp), "--outfile", out_file, "--outtype", outtype]
+        sys.argv = ["convert_hf_to_gguf.py", stage(model_dir, tmp), "--outfile", tmp_file, "--outtype", outtype]
         conv.main()
+    os.replace(tmp_file, out_file)
 
 
 if __name__ == "__main__":

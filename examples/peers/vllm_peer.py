@@ -6,8 +6,10 @@ import subprocess
 from examples.peers.paths import VLLM_PYTHON
 from examples.sweep.errors import PeerMissing, PointError
 
-# The settings PEERS.md found necessary on these machines (KV space in GiB, no process fork).
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# The settings PEERS.md found necessary on these machines (KV space in GiB, no process fork); any socket
+# vLLM opens for its process group stays on loopback, and it sends no usage report.
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+       "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1"}
 
 
 def measure(p, opts: dict) -> dict:

@@ -2,14 +2,15 @@
 
     python -m examples.sweep.benchmark --engine deepinfer --model medium_qwen3_moe --batch 16 \
         --context 64 --warmup 3 --steps 60 --roofline out/roofline.json --out out/x.json \
-        [--name deepinfer-bf16] [--options '{"dtype": "bfloat16"}'] [--dp 1] [--prefill-tokens 256 1024]
+        [--name deepinfer-bf16] [--options '{"dtype": "bfloat16"}'] [--dp 1] [--prefill-tokens 256 1024] [--round 1]
 
 Decode: `batch` sequences prefilled at `context` tokens, then `warmup` decode steps untimed and
 `steps` timed (DeepInfer uses 50 and 60). decode_avg_sps = timed steps / their total time.
 Every rate derived from it uses tokens per step as measured from the outputs
 (`accepted_tokens_per_step`, null unless `speculative` is among the options; without drafting each
 step commits exactly one token per sequence); an assumed acceptance length never enters the JSON.
-Exit status: 0 written, 2 bad point (message on stderr), 3 peer not set up.
+Exit status: 0 written, 2 bad point (message on stderr), 3 peer not set up. A point not measured leaves
+its reason in OUT with .failed for .json (the sweep's table lists it); a measured one removes that file.
 """
 import argparse
 import json
@@ -93,7 +94,7 @@ def assemble(p, opts: dict, result: dict, floor: dict | None, seconds: float) ->
     sps = result["decode_avg_sps"]
     out = {"engine": p.engine, "name": p.name, "model": p.model, "options": opts, "dp": p.dp,
            "decode_num_requests": p.batch, "context_len": p.context, "decode_warmup_steps": p.warmup,
-           "decode_steps": p.steps, **result,
+           "decode_steps": p.steps, "round": p.round, **result,
            "nextn": spec.get("num_draft_tokens") if isinstance(spec, dict) else None,
            "accepted_tokens_per_step": tokens if spec else None,
            "tokens_per_s_per_user": metrics.per_user_tps(sps, tokens),
@@ -116,11 +117,25 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[])
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--round", type=int, default=1, help="which of the sweep's rounds this run is")
     ap.add_argument("--roofline")
     ap.add_argument("--out", required=True)
     p = ap.parse_args(argv)
     p.name = p.name or p.engine
     return p
+
+
+def failed_file(out: str) -> str:
+    return os.path.splitext(out)[0] + ".failed"
+
+
+def not_measured(p, msg: str, code: int) -> int:
+    """Prints why and keeps it beside the point's JSON, for the table's "Not measured" list."""
+    print(msg, file=sys.stderr)
+    os.makedirs(os.path.dirname(os.path.abspath(p.out)), exist_ok=True)
+    with open(failed_file(p.out), "w") as f:
+        f.write(msg + "\n")
+    return code
 
 
 def main(argv=None) -> int:
@@ -136,15 +151,15 @@ def main(argv=None) -> int:
         result = run_engine(p, opts)
         doc = assemble(p, opts, result, floor_entry(p, opts, roofline), time.perf_counter() - t)
     except PeerMissing as exc:
-        print(f"peer {exc} not set up (run examples/peers/setup_peers.sh)", file=sys.stderr)
-        return 3
+        return not_measured(p, f"peer {exc} not set up (run examples/peers/setup_peers.sh)", 3)
     except (PointError, ValueError) as exc:
-        print(f"benchmark: point {p.name} batch {p.batch}: {exc}", file=sys.stderr)
-        return 2
+        return not_measured(p, f"benchmark: point {p.name} batch {p.batch}: {exc}", 2)
     os.makedirs(os.path.dirname(os.path.abspath(p.out)), exist_ok=True)
     with open(p.out + ".tmp", "w") as f:  # rename: a killed run never leaves a JSON the sweep would skip
         json.dump(doc, f, indent=1)
     os.replace(p.out + ".tmp", p.out)
+    if os.path.exists(failed_file(p.out)):
+        os.remove(failed_file(p.out))
     print(f"{p.name} batch {p.batch}: {doc['decode_step_ms']:.1f} ms/step, {doc['tokens_per_s_per_user']:.2f} tok/s/user, "
           f"{doc['tokens_per_s_per_rank']:.1f} tok/s/rank" + (f", {doc['time_over_floor']:.2f}x floor" if doc["time_over_floor"] else ""))
     return 0

@@ -10,7 +10,7 @@ import shutil
 
 from deepinfer.docs import DOC, write_section
 from examples.sweep.plot_pareto import plot
-from examples.sweep.table import load_points, refloor, table
+from examples.sweep.table import load_points, not_measured, refloor, table
 
 TITLE = "Throughput sweep"
 
@@ -56,7 +56,7 @@ def main():
                     help="another sweep's table (no plot) after TEXT_FILE's heading and notes")
     args = ap.parse_args()
     intro, outro = (open(f).read().strip() if f else "" for f in (args.intro_file, args.outro_file))
-    pts = load_points(os.path.join(args.outdir, "points"))
+    pts, missing = load_points(os.path.join(args.outdir, "points")), not_measured(args.outdir)
     roof = json.load(open(os.path.join(args.outdir, "roofline.json")))
     refloor(pts, roof)
     png = os.path.join(os.path.dirname(DOC), args.png)
@@ -64,7 +64,8 @@ def main():
          title="medium Qwen3-MoE decode, 64-token prompts, 1 thread (labels: batch)")
     body = "\n\n".join(x for x in [
         intro, f"Floor rates (best of the measurements made at the start and end of each run_sweep.sh into this directory): {rates_line(roof)}.",
-        ratios(pts, args.ours, args.peer), table(pts), f"![tokens/s per rank against tokens/s per user]({args.png})",
+        ratios(pts, args.ours, args.peer), table(pts), "\n".join(["Not measured:"] + missing) if missing else "",
+        f"![tokens/s per rank against tokens/s per user]({args.png})",
         outro] + [also(d, f) for d, f in args.also] if x)
     write_section(TITLE, body)
     print(f"wrote section {TITLE!r} of {DOC} and {png}")

@@ -1,20 +1,52 @@
-"""Prints a sweep's points as a markdown table, each with its time over this machine's floor.
+"""Prints a sweep's points as a markdown table, each with its time over this machine's floor, then
+what was not measured and why.
 
     python -m examples.sweep.table OUTDIR
 """
 import glob
 import json
 import os
+import statistics
 import sys
 
-from examples.sweep.metrics import floor_ms, time_over_floor
+from examples.sweep.metrics import floor_ms, per_rank_tps, per_user_tps, time_over_floor
 from examples.sweep.roofline import rates_for
 
 
+def median_point(rounds: list[dict]) -> dict:
+    """One point from its rounds: the median step time (mean of the middle two for an even count), the
+    rates rederived from it; the rest (split, prefill, machine) from the lower-middle round."""
+    by_ms = sorted(rounds, key=lambda p: p["decode_step_ms"])
+    p = dict(by_ms[(len(by_ms) - 1) // 2])
+    ms = statistics.median(r["decode_step_ms"] for r in rounds)
+    sps, tokens = 1000 / ms, p.get("accepted_tokens_per_step") or 1.0
+    p.update(decode_step_ms=ms, decode_avg_sps=sps, tokens_per_s_per_user=per_user_tps(sps, tokens),
+             tokens_per_s_per_rank=per_rank_tps(sps, p["decode_num_requests"], p["dp"], tokens),
+             rounds_ms=[r["decode_step_ms"] for r in sorted(rounds, key=lambda r: r.get("round", 1))])
+    if p.get("floor"):
+        p["time_over_floor"] = time_over_floor(ms, p["floor"]["ms"])
+    return p
+
+
 def load_points(points_dir: str) -> list[dict]:
-    """Every point JSON under points_dir, in (configuration, parallel size, batch) order."""
-    pts = [json.load(open(f)) for f in glob.glob(os.path.join(points_dir, "*.json"))]
-    return sorted(pts, key=lambda p: (p["name"], p["dp"], p["decode_num_requests"]))
+    """Every point under points_dir, its rounds merged by median_point, in (configuration, parallel
+    size, batch) order."""
+    groups: dict[tuple, list[dict]] = {}
+    for f in glob.glob(os.path.join(points_dir, "*.json")):
+        p = json.load(open(f))
+        groups.setdefault((p["name"], p["dp"], p["decode_num_requests"]), []).append(p)
+    return [median_point(groups[k]) for k in sorted(groups)]
+
+
+def not_measured(outdir: str) -> list[str]:
+    """Configurations the sweep left out (run_sweep.sh's list step) and points whose run failed."""
+    path = os.path.join(outdir, "not_measured.json")
+    left_out = json.load(open(path)) if os.path.exists(path) else {}
+    lines = [f"- {name}: {why}" for name, why in sorted(left_out.items())]
+    for f in sorted(glob.glob(os.path.join(outdir, "points", "*.failed"))):
+        why = open(f).read().strip().splitlines() or ["no reason recorded"]
+        lines.append(f"- {os.path.basename(f)[:-len('.failed')]}: {why[-1]}")
+    return lines
 
 
 def refloor(points: list[dict], roofline: dict) -> None:
@@ -36,7 +68,8 @@ def row(p: dict) -> str:
     s, fl = p.get("step_split_ms"), p.get("floor")
     split = " / ".join(f"{s[k]:.1f}" for k in ("draft", "schedule", "prepare", "forward", "sampling", "output")) if s else "-"
     pre = p["prefill"][0] if p.get("prefill") else None
-    return (f"| {p['name']} | {p['dp']} | {p['decode_num_requests']} | {p['decode_step_ms']:.1f} | "
+    rounds = " / ".join(f"{ms:.1f}" for ms in p.get("rounds_ms", [p["decode_step_ms"]]))
+    return (f"| {p['name']} | {p['dp']} | {p['decode_num_requests']} | {p['decode_step_ms']:.1f} | {rounds} | "
             f"{p['decode_avg_sps']:.2f} | {p['tokens_per_s_per_user']:.2f} | {p['tokens_per_s_per_rank']:.1f} | "
             f"{_f(p.get('accepted_tokens_per_step'), '{:.2f}')} | {_f(fl and fl['ms'])} | "
             f"{_f(p.get('time_over_floor'), '{:.2f}x')} | {split} | "
@@ -44,21 +77,24 @@ def row(p: dict) -> str:
 
 
 def table(points: list[dict]) -> str:
-    head = ("| configuration | ranks | batch | decode ms/step | steps/s | tok/s per user | tok/s per rank | "
+    head = ("| configuration | ranks | batch | decode ms/step (median) | ms/step per round | steps/s | "
+            "tok/s per user | tok/s per rank | "
             "accepted tok/step | floor ms | time / floor | draft / schedule / prep / forward / sampling / output ms | "
             "prefill tok/s @ tok/step |")
-    return "\n".join([head, "|" + "---|" * 12] + [row(p) for p in points])
+    return "\n".join([head, "|" + "---|" * 13] + [row(p) for p in points])
 
 
 def main(argv: list[str]) -> int:
-    pts = load_points(os.path.join(argv[0], "points"))
-    if not pts:
+    pts, missing = load_points(os.path.join(argv[0], "points")), not_measured(argv[0])
+    if not pts and not missing:
         print(f"no points under {argv[0]}/points", file=sys.stderr)
         return 1
     roof = os.path.join(argv[0], "roofline.json")
     if os.path.exists(roof):
         refloor(pts, json.load(open(roof)))
-    print(table(pts))
+    print(table(pts) if pts else "No point measured.")
+    if missing:
+        print("\nNot measured:\n" + "\n".join(missing))
     return 0
 
 
