@@ -278,6 +278,10 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
     assert f"| tiny-replay | 1 | 2 | {sum(rounds) / 2:.1f} | {rounds[0]:.1f} / {rounds[1]:.1f} |" in md
     assert "- llama: peer llamacpp not set up (run examples/peers/setup_peers.sh)" in md.split("Not measured:")[1]
     assert "- tiny-pool-dp1-b64-r2: benchmark: point tiny-pool batch 64:" in md
+    # The CPU's flags and the GEMM path deepinfer's plan chose per shape (the tiny model's bf16 experts).
+    from deepinfer import platform
+    assert f"CPU: {platform.cpu_flags()}" in md and plain["machine"]["flags"] == platform.cpu_flags()
+    assert any(line.startswith("- experts H 64 2I 64: 1") for line in md.split("GEMM plan")[1].splitlines())
     mtime = (out / "points" / "tiny-dp1-b1-r1.json").stat().st_mtime
     second = run()
     assert "skip tiny-dp1-b1 round 1 (done" in second.stdout and "skip tiny-dp1-b1 round 2 (done" in second.stdout

@@ -5,6 +5,7 @@ import time
 import torch
 
 from deepinfer import LLM, SamplingParams, _C
+from deepinfer.layers import gemm_plan
 from examples.sweep.errors import PointError
 from examples.sweep.model_cost import load_config
 from examples.sweep.metrics import accepted_tokens_per_step, steps_per_second
@@ -113,7 +114,9 @@ def run_decode(engine, p) -> dict:
     if after is None:
         raise PointError(f"only {len(decode)} decode steps ran; needed {p.warmup + p.steps}")
     measured, split_ms = decode[p.warmup:], _mean_split(splits[p.warmup:])
-    return {"decode_avg_sps": steps_per_second(measured), "decode_step_ms": 1000 * sum(measured) / len(measured),
+    plan = gemm_plan.PLAN.describe()
+    print("GEMM plan:\n  " + "\n  ".join(plan))
+    return {"gemm_plan": plan, "decode_avg_sps": steps_per_second(measured), "decode_step_ms": 1000 * sum(measured) / len(measured),
             "step_split_ms": split_ms, "measured_tokens_per_step": accepted_tokens_per_step(before, after, p.steps, p.batch),
             "prefill": [_prefill_entry(prefill)], "method": "engine steps timed one by one (StepTimer)"}
 

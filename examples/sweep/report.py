@@ -10,7 +10,7 @@ import shutil
 
 from deepinfer.docs import DOC, write_section
 from examples.sweep.plot_pareto import plot
-from examples.sweep.table import load_points, not_measured, refloor, table
+from examples.sweep.table import load_points, machine_notes, not_measured, refloor, table
 
 TITLE = "Throughput sweep"
 
@@ -47,8 +47,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("outdir")
     ap.add_argument("--png", default="sweep_medium_qwen3_moe.png")
-    ap.add_argument("--ours", default="deepinfer-bf16")
-    ap.add_argument("--peer", default="transformers-bf16")
+    ap.add_argument("--pair", nargs=2, action="append", metavar=("OURS", "PEER"),
+                    help="a ratio table of two configurations (repeatable; default: deepinfer-bf16 against "
+                         "transformers-bf16)")
     ap.add_argument("--intro-file", help="markdown before the tables (shape, method, commands)")
     ap.add_argument("--outro-file", help="markdown after the plot (caveats, what is left out)")
     ap.add_argument("--assumed-acceptance", type=float)
@@ -60,11 +61,12 @@ def main():
     roof = json.load(open(os.path.join(args.outdir, "roofline.json")))
     refloor(pts, roof)
     png = os.path.join(os.path.dirname(DOC), args.png)
-    plot(pts, png, acceptance=args.assumed_acceptance,
-         title="medium Qwen3-MoE decode, 64-token prompts, 1 thread (labels: batch)")
+    plot(pts, png, acceptance=args.assumed_acceptance, title="medium Qwen3-MoE decode, 64-token prompts (labels: batch)")
+    pairs = args.pair or [("deepinfer-bf16", "transformers-bf16")]
     body = "\n\n".join(x for x in [
         intro, f"Floor rates (best of the measurements made at the start and end of each run_sweep.sh into this directory): {rates_line(roof)}.",
-        ratios(pts, args.ours, args.peer), table(pts), "\n".join(["Not measured:"] + missing) if missing else "",
+        *(ratios(pts, ours, peer) for ours, peer in pairs), table(pts), "\n".join(machine_notes(pts)).strip(),
+        "\n".join(["Not measured:"] + missing) if missing else "",
         f"![tokens/s per rank against tokens/s per user]({args.png})",
         outro] + [also(d, f) for d, f in args.also] if x)
     write_section(TITLE, body)

@@ -56,8 +56,10 @@ def machine() -> dict:
 
     with open("/proc/cpuinfo") as f:
         name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
+    from deepinfer import platform
+
     return {"cpu": name, "cores": os.cpu_count(), "isa": torch.backends.cpu.get_cpu_capability(),
-            "load_avg": os.getloadavg()[0]}
+            "flags": platform.cpu_flags(), "load_avg": os.getloadavg()[0]}
 
 
 def rates_for(roofline: dict, threads: int) -> dict:

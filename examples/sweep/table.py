@@ -84,6 +84,16 @@ def table(points: list[dict]) -> str:
     return "\n".join([head, "|" + "---|" * 13] + [row(p) for p in points])
 
 
+def machine_notes(pts: list[dict]) -> list[str]:
+    """The CPU flags the points ran on, and the GEMM paths deepinfer's plan chose (from its last point)."""
+    flags = sorted({p["machine"].get("flags") or p["machine"].get("cpu", "unknown CPU") for p in pts})
+    plans = [p["gemm_plan"] for p in pts if p.get("gemm_plan")]
+    lines = ["", "CPU: " + "; ".join(flags)] if flags else []
+    if plans:
+        lines += ["", "deepinfer's GEMM plan (shape: rows -> path):"] + [f"- {line}" for line in plans[-1]]
+    return lines
+
+
 def main(argv: list[str]) -> int:
     pts, missing = load_points(os.path.join(argv[0], "points")), not_measured(argv[0])
     if not pts and not missing:
@@ -93,6 +103,8 @@ def main(argv: list[str]) -> int:
     if os.path.exists(roof):
         refloor(pts, json.load(open(roof)))
     print(table(pts) if pts else "No point measured.")
+    for line in machine_notes(pts):
+        print(line)
     if missing:
         print("\nNot measured:\n" + "\n".join(missing))
     return 0
