@@ -20,7 +20,7 @@ class LLM:
     max_model_len: defaults to the model's max_position_embeddings; max_num_batched_tokens to
     max(8192, max_model_len).
     engine_type: "normal" (prefill and decode), "prompt" (prefill, then hand off) or "completion".
-    num_threads: CPU threads for torch and our kernels (set process-wide); see EngineConfig.
+    num_threads: CPU threads (process-wide): our kernels' pool, and torch's ops in prefill; see EngineConfig.
     enable_eplb: replan expert placement every eplb_config["step_interval"] steps on the last
     eplb_config["window_size"] steps (see engine/eplb.py for all keys); eplb_plan: a plan JSON from
     `python -m eplb.replan` to start with. Expert load is recorded for every MoE model.

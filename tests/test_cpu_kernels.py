@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer import LLM
+from deepinfer import LLM, platform
 from deepinfer.layers.cpu_ops import BF16_INPUT_ISAS, GEMM_ISAS, grouped_experts_bf16, linear_bf16
 
 # Every kernel ISA this CPU runs, each with and without the batch-invariant reduction order.
@@ -44,11 +44,11 @@ def test_threaded_linear_is_bit_identical_to_one_thread(m, isa, monkeypatch):
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 1024, generator=g)
     w = torch.randn(1100, 1024, generator=g).to(torch.bfloat16)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 1)
     ref = linear_bf16(x, w, isa=isa)
     torch.testing.assert_close(ref, F.linear(kernel_input(x, isa), w.float()), rtol=1e-5, atol=1e-3)
     for threads in (2, 3):
-        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        monkeypatch.setattr(platform, "kernel_threads", lambda: threads)
         for _ in range(50):
             assert torch.equal(linear_bf16(x, w, isa=isa), ref)
 
@@ -58,7 +58,7 @@ def test_threaded_linear_is_bit_identical_to_one_thread(m, isa, monkeypatch):
 @pytest.mark.parametrize("threads", [1, 2, 5])
 @pytest.mark.parametrize("limit", [float("inf"), 0.7])
 def test_grouped_experts_match_loop_reference(limit, threads, isa, invariant, monkeypatch):
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(platform, "kernel_threads", lambda: threads)
     g = torch.Generator().manual_seed(7)
     e, h, i = 6, 40, 24
     counts = torch.tensor([3, 0, 1, 5, 2, 0])
@@ -145,10 +145,10 @@ def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monke
         return (post, comb, collapsed, merged, cpu_ops.v4_decode_attention(q, ring, ring_len, comp, valid, sinks, 0.1),
                 cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1))
 
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 1)
     ref = run()
     for threads in (2, 3):
-        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        monkeypatch.setattr(platform, "kernel_threads", lambda: threads)
         for ours, want in zip(run(), ref):
             assert torch.equal(ours, want)
 

@@ -26,7 +26,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 
-from deepinfer import _C
+from deepinfer import _C, platform
 from deepinfer.config import EngineConfig, dataclass_from_dict, hf_get
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.layers.moe import balanced_moe_blocks
@@ -197,7 +197,7 @@ class DPRankWorker:
             b.experts = shard_experts(b.experts, slots)
             b.ep = ExpertParallel(self.rank, self.world_size, placement.slots_per_gpu, top_k,
                                   self.engine.config.dtype, self.group.ep_group, stats)
-        torch.set_num_threads(self.engine.config.num_threads)
+        platform.set_threads(self.engine.config.num_threads)
         return [(b.ep, b.experts) for b in blocks], stats
 
     def pid(self) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer import _C
+from deepinfer import _C, platform
 from deepinfer.config import EngineConfig, hf_get
 from deepinfer.engine.cache_engine import CacheEngine
 from deepinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -71,7 +71,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        torch.set_num_threads(config.num_threads)
+        platform.set_threads(config.num_threads)
         self.model, self.hf_config = load_model(config.model, config.dtype)
         config.fill_defaults(self.hf_config, self.model.block_size_multiple)
         self.tokenizer = load_tokenizer(config.model)
@@ -84,7 +84,8 @@ class LLMEngine:
         if spec_cfg is not None:
             prepare_model(self.model, spec_cfg)
         gemm_plan.PLAN.invariant = config.batch_invariant
-        gemm_plan.PLAN.prepare(self.model, config.dtype, max(config.max_num_batched_tokens, config.max_num_seqs))
+        gemm_plan.PLAN.prepare(self.model, config.dtype, max(config.max_num_batched_tokens, config.max_num_seqs),
+                               config.max_num_seqs * (1 + (spec_cfg.num_draft_tokens if spec_cfg else 0)))
         spec = self.model.cache_spec(config.block_size, config.kv_cache_dtype)
         self.cache = CacheEngine(spec, config.kv_cache_memory, config.max_num_seqs, config.block_size)
         self.model.bind_cache(self.cache.paged, self.cache.state)
@@ -187,7 +188,7 @@ class LLMEngine:
             out, firsts = self.spec.token_logprobs(batch, logits, tokens, sampling.num_logprobs)
             results = self.scheduler.process_multi(batch, tokens)
         else:
-            out, firsts = self.runner.execute(batch, sampling), range(len(states))
+            out, firsts = self._execute(batch, sampling), range(len(states))
             results = self.scheduler.process(batch, out.tokens.tolist())
         if self.spec is not None:
             self.spec.after_step(self, batch, results)
@@ -198,6 +199,13 @@ class LLMEngine:
             if self._apply(first, res, out):
                 finished.add(self.seqs[res.seq_id].request_id)
         return [self._finish_request(r) for r in finished if self._request_done(r)], batch.num_tokens
+
+    def _execute(self, batch, sampling: SamplingBatch):
+        """The forward and sampling; a prefill's torch ops run on all threads (platform.set_threads)."""
+        if batch.type != _C.StepType.PREFILL:
+            return self.runner.execute(batch, sampling)
+        with platform.torch_parallel():
+            return self.runner.execute(batch, sampling)
 
     def _count_drafts(self, states, draft_lens, tokens) -> None:
         for state, verified, toks in zip(states, draft_lens, tokens):

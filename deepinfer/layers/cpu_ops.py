@@ -2,7 +2,7 @@
 pointers over, so bad input raises here instead of corrupting memory."""
 import torch
 
-from deepinfer import _C
+from deepinfer import _C, platform
 
 # Activation dtypes the kernels read and write directly.
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
@@ -48,7 +48,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, k).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=x.dtype)
     _C.linear_bf16(x2.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                   x.dtype == torch.bfloat16, x2.shape[0], k, n, _isa_id(isa), invariant, torch.get_num_threads())
+                   x.dtype == torch.bfloat16, x2.shape[0], k, n, _isa_id(isa), invariant, platform.kernel_threads())
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -75,7 +75,7 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     y = torch.empty_like(x)
     _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, 0 if skip8 is None else skip8.data_ptr(),
                             w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h, two_i // 2, float(limit), _isa_id(isa),
-                            invariant, torch.get_num_threads())
+                            invariant, platform.kernel_threads())
     return y
 
 
@@ -97,7 +97,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     post, comb, collapsed = torch.empty(t, n), torch.empty(t, n, n), torch.empty(t, d, dtype=streams.dtype)
     _C.hc_pre(streams.data_ptr(), streams.dtype == torch.bfloat16, fn.data_ptr(), base.data_ptr(), scale.data_ptr(),
               t, n, d, iters, hc_eps, norm_eps, post.data_ptr(), comb.data_ptr(), collapsed.data_ptr(),
-              torch.get_num_threads())
+              platform.kernel_threads())
     return post, comb, collapsed
 
 
@@ -113,7 +113,7 @@ def hc_merge(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
                          f"post {tuple(post.shape)}, comb {tuple(comb.shape)}")
     out = torch.empty_like(streams)
     _C.hc_merge(block_out.data_ptr(), streams.data_ptr(), streams.dtype == torch.bfloat16, post.data_ptr(),
-                comb.data_ptr(), t, n, d, out.data_ptr(), torch.get_num_threads())
+                comb.data_ptr(), t, n, d, out.data_ptr(), platform.kernel_threads())
     return out
 
 
@@ -135,7 +135,7 @@ def v4_decode_attention(q: torch.Tensor, ring: torch.Tensor, ring_len: torch.Ten
     out = torch.empty_like(q)
     _C.v4_decode_attention(q.data_ptr(), ring.data_ptr(), lens.data_ptr(), comp.data_ptr(), valid.data_ptr(),
                            sinks32.data_ptr(), float(scale), out.data_ptr(), q.dtype == torch.bfloat16, B, H, D, W, K,
-                           torch.get_num_threads())
+                           platform.kernel_threads())
     return out
 
 
@@ -158,5 +158,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     _C.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                               float(scale), out.data_ptr(), q.dtype == torch.bfloat16, b, h, hkv, d, block_size,
-                              tables.shape[1], torch.get_num_threads())
+                              tables.shape[1], platform.kernel_threads())
     return out

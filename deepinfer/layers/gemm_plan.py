@@ -94,7 +94,8 @@ class GemmPlan:
 
     def __init__(self):
         self.invariant = False
-        self.table: dict[tuple, str] = {}  # _key(...) -> path
+        self.table: dict[tuple, str] = {}  # _key(...) -> path, for the current thread counts
+        self._tables: dict[tuple, dict] = {}  # _threads() -> its table
         self._loaded_threads = None
 
     @staticmethod
@@ -135,17 +136,30 @@ class GemmPlan:
 
     # -- calibration ----------------------------------------------------------------------------------
 
-    def prepare(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int) -> None:
-        """Calibrates every bf16 Linear and FusedMoE of the model for 1..max_rows rows (activations in
-        dtype), then logs the plan."""
-        from deepinfer.layers.linear import Linear
-        from deepinfer.layers.moe import FusedMoE
-
+    def prepare(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int, decode_rows: int) -> None:
+        """Calibrates every bf16 Linear and FusedMoE of the model (activations in dtype) for the row counts
+        of decode steps (1..decode_rows, torch on one thread) and of prefill steps (1..max_rows, inside
+        platform.torch_parallel()), then logs the plan."""
         if self.invariant:
             logger.info("GEMM plan: batch-invariant, every GEMM on %s (%s)", self.invariant_path(), platform.cpu_flags())
             return
+        self._calibrate_model(model, dtype, buckets_up_to(decode_rows))
+        decode = self.describe()
+        with platform.torch_parallel():
+            self._calibrate_model(model, dtype, buckets_up_to(max_rows))
+            prefill, torch_threads = self.describe(), torch.get_num_threads()
         self._load()
-        todo = buckets_up_to(max_rows)
+        for line in decode:
+            logger.info("GEMM plan: %s", line)
+        if self._loaded_threads[0] != torch_threads:
+            for line in prefill:
+                logger.info("GEMM plan for prefill (torch on %d threads): %s", torch_threads, line)
+
+    def _calibrate_model(self, model: torch.nn.Module, dtype: torch.dtype, todo: list[int]) -> None:
+        from deepinfer.layers.linear import Linear
+        from deepinfer.layers.moe import FusedMoE
+
+        self._load()
         seen = set()
         for mod in model.modules():
             if isinstance(mod, Linear) and mod.weight.dtype == torch.bfloat16:
@@ -158,8 +172,6 @@ class GemmPlan:
                 if (tuple(w13.shape[1:]), "e") not in seen:
                     seen.add((tuple(w13.shape[1:]), "e"))
                     self._calibrate_experts(w13, w2, [b for b in todo if _key("experts", *_expert_shape(w13), b) not in self.table])
-        for line in self.describe():
-            logger.info("GEMM plan: %s", line)
 
     def _calibrate_linear(self, dtype: torch.dtype, w: torch.Tensor, rows: list[int]) -> None:
         n, k = w.shape
@@ -177,7 +189,7 @@ class GemmPlan:
         """Times one expert per thread (our kernel gives each thread whole experts) at each row count;
         the kernel's ISA is the one fastest over all row counts (kept once chosen)."""
         e, two_i, h = w13.shape
-        n_exp = min(e, torch.get_num_threads())
+        n_exp = min(e, platform.kernel_threads())
         w13s, w2s = w13[:n_exp], w2[:n_exp]
         gen = torch.Generator().manual_seed(0)
         totals = {p: 0.0 for p in self.cpu_paths()}
@@ -211,17 +223,18 @@ class GemmPlan:
         return [f"{_label(head)}: {_ranges(sorted(runs))}" for head, runs in sorted(shapes.items())]
 
     def _file(self) -> str:
-        return platform.cache_path("gemm_plans", torch.get_num_threads())
+        return platform.cache_path("gemm_plans", *_threads())
 
     def _load(self) -> None:
-        """(Re)reads the cached plan when the thread count changed since the last read."""
-        threads = torch.get_num_threads()
+        """Switches to the plan of the current thread counts (decode and prefill steps run torch on
+        different counts), read from its cache file the first time."""
+        threads = _threads()
         if self._loaded_threads == threads:
             return
-        self._loaded_threads, self.table = threads, {}
-        if os.path.exists(self._file()):
+        self._loaded_threads, self.table = threads, self._tables.setdefault(threads, {})
+        if not self.table and os.path.exists(self._file()):
             with open(self._file()) as f:
-                self.table = {_decode(k): v for k, v in json.load(f).items()}
+                self.table.update({_decode(k): v for k, v in json.load(f).items()})
 
     def _save(self) -> None:
         path = self._file()
@@ -230,6 +243,11 @@ class GemmPlan:
         with open(tmp, "w") as f:
             json.dump({_encode(k): v for k, v in self.table.items()}, f, indent=0, sort_keys=True)
         os.replace(tmp, path)
+
+
+def _threads() -> tuple[int, int]:
+    """(torch's threads, our kernels' threads): a plan holds for one pair."""
+    return torch.get_num_threads(), platform.kernel_threads()
 
 
 def _key(kind: str, *parts) -> tuple:

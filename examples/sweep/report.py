@@ -1,6 +1,6 @@
-"""Writes a finished sweep into docs/benchmarks.md (section "Throughput sweep") and its plot under docs/.
+"""Writes a finished sweep into docs/benchmarks.md (section "Throughput sweep", or --title) and its plot under docs/.
 
-    python -m examples.sweep.report OUTDIR [--png sweep_medium_qwen3_moe.png] [--intro-file F] [--outro-file F]
+    python -m examples.sweep.report OUTDIR [--title T] [--png sweep_medium_qwen3_moe.png] [--intro-file F] [--outro-file F]
         [--assumed-acceptance A]   # adds DeepInfer's assumed-tau curve beside measured drafting curves
 """
 import argparse
@@ -46,6 +46,7 @@ def also(outdir: str, text_file: str) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("outdir")
+    ap.add_argument("--title", default=TITLE, help="the docs/benchmarks.md section to (re)write")
     ap.add_argument("--png", default="sweep_medium_qwen3_moe.png")
     ap.add_argument("--pair", nargs=2, action="append", metavar=("OURS", "PEER"),
                     help="a ratio table of two configurations (repeatable; default: deepinfer-bf16 against "
@@ -69,8 +70,8 @@ def main():
         "\n".join(["Not measured:"] + missing) if missing else "",
         f"![tokens/s per rank against tokens/s per user]({args.png})",
         outro] + [also(d, f) for d, f in args.also] if x)
-    write_section(TITLE, body)
-    print(f"wrote section {TITLE!r} of {DOC} and {png}")
+    write_section(args.title, body)
+    print(f"wrote section {args.title!r} of {DOC} and {png}")
 
 
 if __name__ == "__main__":
