@@ -239,7 +239,7 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
     are reported and listed as not measured, JSON and PNG come out, and a second run skips what is done."""
     replay = {"method": "replay", "num_draft_tokens": 2, "acceptance": 1.0, "verify": "all"}
     cfg = {"model": tiny_qwen3_moe, "context": 8, "warmup": 2, "steps": 4, "rounds": 2, "configurations": {
-        "tiny": {"engine": "deepinfer", "options": {"dtype": "float32"}, "batches": [1]},
+        "tiny": {"engine": "deepinfer", "options": {"dtype": "bfloat16"}, "batches": [1]},
         "tiny-replay": {"engine": "deepinfer", "options": {"dtype": "float32", "speculative": replay}, "batches": [2]},
         "tiny-pool": {"engine": "deepinfer", "options": {"kv_cache_memory": 60000}, "batches": [64]},
         "llama": {"engine": "llamacpp"}}}
@@ -278,7 +278,7 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
     assert f"| tiny-replay | 1 | 2 | {sum(rounds) / 2:.1f} | {rounds[0]:.1f} / {rounds[1]:.1f} |" in md
     assert "- llama: peer llamacpp not set up (run examples/peers/setup_peers.sh)" in md.split("Not measured:")[1]
     assert "- tiny-pool-dp1-b64-r2: benchmark: point tiny-pool batch 64:" in md
-    # The CPU's flags and the GEMM path deepinfer's plan chose per shape (the tiny model's bf16 experts).
+    # The CPU's flags and the GEMM path deepinfer's plan chose per shape ("tiny" runs bf16 experts).
     from deepinfer import platform
     assert f"CPU: {platform.cpu_flags()}" in md and plain["machine"]["flags"] == platform.cpu_flags()
     assert any(line.startswith("- experts H 64 2I 64: 1") for line in md.split("GEMM plan")[1].splitlines())
