@@ -12,6 +12,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams, _C
 from deepinfer.docs import write_section
+from deepinfer.layers import gemm_plan
 from examples.make_medium_qwen3_moe import make
 
 PROMPT, NEW = 64, 64
@@ -103,7 +104,7 @@ def main():
         h = hf.get(b)
         rows.append(f"| {b} | {fl:.1f} | {ours[b]:.1f} | {h:.1f} | {h / ours[b]:.2f}x | {ours[b] / fl:.2f} |" if h else
                     f"| {b} | {fl:.1f} | {ours[b]:.1f} | - | - | {ours[b] / fl:.2f} |")
-    table = "\n".join(rows)
+    table = "\n".join(rows) + "\n\n" + gemm_plan.PLAN.report()
     print(table)
     header = (f"Medium Qwen3-MoE (vocab 32000, hidden 1024, 16 layers, 16/4 heads of 64, 32 experts top-4, "
               f"moe_intermediate 512, bf16), {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per "

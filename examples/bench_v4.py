@@ -26,6 +26,7 @@ import time
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.layers import gemm_plan
 from deepinfer.layers.moe import balanced_moe_blocks
 from examples.sweep.metrics import floor_ms
 from examples.sweep.roofline import measure
@@ -252,6 +253,7 @@ def main():
     print(f"| cache bytes / sequence at 4K (ours exact bf16) | {ours_exact_bytes:,} | {hf_4k:,} | "
           f"{hf_4k / ours_exact_bytes:.2f}x less |")
     print_floors(rows, rates)
+    print("\n" + gemm_plan.PLAN.report())
 
 
 if __name__ == "__main__":

@@ -124,6 +124,8 @@ def test_plan_is_cached_on_disk_and_reused(tmp_path, monkeypatch):
     second = GemmPlan()
     assert second.linear_path(torch.bfloat16, 7, w) == path  # 5 and 7 rows share the bucket of 4
     assert any("linear bfloat16 N 64 K 32: 4+ " + path in line for line in second.describe())
+    assert second.report().splitlines()[0] == f"CPU: {platform.cpu_flags()}"
+    assert f"- linear bfloat16 N 64 K 32: 4+ {path}" in second.report()
 
 
 def test_engine_logs_its_plan_and_batch_invariant_pins_the_kernel(tiny_qwen3_moe, caplog):

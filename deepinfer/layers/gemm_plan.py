@@ -222,6 +222,11 @@ class GemmPlan:
                 shapes.setdefault(_encode(key[:-1]), []).append((key[-1], path))
         return [f"{_label(head)}: {_ranges(sorted(runs))}" for head, runs in sorted(shapes.items())]
 
+    def report(self) -> str:
+        """The CPU's flags and the paths chosen so far, for a benchmark's output."""
+        return "\n".join([f"CPU: {platform.cpu_flags()}", "GEMM plan (shape: rows -> path):"] +
+                         [f"- {line}" for line in self.describe()])
+
     def _file(self) -> str:
         return platform.cache_path("gemm_plans", *_threads())
 

@@ -114,9 +114,8 @@ def run_decode(engine, p) -> dict:
     if after is None:
         raise PointError(f"only {len(decode)} decode steps ran; needed {p.warmup + p.steps}")
     measured, split_ms = decode[p.warmup:], _mean_split(splits[p.warmup:])
-    plan = gemm_plan.PLAN.describe()
-    print("GEMM plan:\n  " + "\n  ".join(plan))
-    return {"gemm_plan": plan, "decode_avg_sps": steps_per_second(measured), "decode_step_ms": 1000 * sum(measured) / len(measured),
+    print(gemm_plan.PLAN.report())
+    return {"gemm_plan": gemm_plan.PLAN.describe(), "decode_avg_sps": steps_per_second(measured), "decode_step_ms": 1000 * sum(measured) / len(measured),
             "step_split_ms": split_ms, "measured_tokens_per_step": accepted_tokens_per_step(before, after, p.steps, p.batch),
             "prefill": [_prefill_entry(prefill)], "method": "engine steps timed one by one (StepTimer)"}
 
