@@ -5,15 +5,17 @@ same run, plus the machine's floor. Writes the table into docs/benchmarks.md.
     python examples/bench_medium_moe.py [--batches 1 16 64] [--threads 1] [--skip-hf]
 """
 import argparse
-import os
 import time
 
 import torch
 
-from deepinfer import LLM, SamplingParams, _C
+from deepinfer import LLM, SamplingParams, _C, platform
 from deepinfer.docs import write_section
 from deepinfer.layers import gemm_plan
 from examples.make_medium_qwen3_moe import make
+from examples.sweep import metrics
+from examples.sweep.model_cost import decode_step_cost, load_config, shape
+from examples.sweep.roofline import measure
 
 PROMPT, NEW = 64, 64
 
@@ -50,33 +52,11 @@ def hf_decode_ms(model, batch: int, vocab: int) -> float:
     return 1000 * (times[NEW] - times[1]) / (NEW - 1)
 
 
-def floor_ms(cfg, batch: int, bandwidth: float, flops: float) -> float:
-    """Bytes of bf16 weights a decode step must read (attention, router, touched experts, head)
-    over bandwidth, or its FLOPs over the matmul rate, whichever is larger."""
-    h, e, k, i = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    attn = h * (2 * q + 2 * kv) + h * e
-    touched = e * (1 - (1 - k / e) ** batch)
-    per_layer = attn + touched * 3 * h * i
-    params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h
-    active = cfg.num_hidden_layers * (attn + k * 3 * h * i) + cfg.vocab_size * h
-    return 1000 * max(2 * params / bandwidth, 2 * active * batch / flops)
-
-
-def machine_rates() -> tuple[float, float]:
-    """Single-thread read bandwidth (bytes/s) and fp32 matmul rate (FLOP/s) measured now."""
-    a = torch.ones(64 << 20)
-    a.sum()
-    t = time.perf_counter()
-    for _ in range(4):
-        a.sum()
-    bw = 4 * a.numel() * 4 / (time.perf_counter() - t)
-    x, w = torch.randn(512, 1024), torch.randn(1024, 1024)
-    x @ w
-    t = time.perf_counter()
-    for _ in range(4):
-        x @ w
-    return bw, 4 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - t)
+def floor_ms(path: str, batch: int, rates: dict) -> float:
+    """The sweep's floor of one decode step (examples/sweep/model_cost.py): bf16 weights some token
+    touches plus the KV at the mean decode context, over bandwidth, or FLOPs over the matmul rate."""
+    cost = decode_step_cost(shape(load_config(path)), batch, PROMPT + NEW / 2, 2, 2)
+    return metrics.floor_ms(cost["bytes"], cost["flops"], rates["bandwidth"], rates["matmul"])["ms"]
 
 
 def main():
@@ -86,7 +66,7 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     path = make()
-    bw, flops = machine_rates()
+    rates = measure(args.threads)
     llm = LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=max(args.batches), kv_cache_memory=512 << 20,
               num_threads=args.threads)  # the engine sets the process-wide count transformers runs with too
     cfg = llm.engine.hf_config
@@ -100,7 +80,7 @@ def main():
     rows = ["| batch | floor ms | deepinfer ms | transformers ms | speedup vs transformers | deepinfer / floor |",
             "|---|---|---|---|---|---|"]
     for b in args.batches:
-        fl = floor_ms(cfg, b, bw, flops)
+        fl = floor_ms(path, b, rates)
         h = hf.get(b)
         rows.append(f"| {b} | {fl:.1f} | {ours[b]:.1f} | {h:.1f} | {h / ours[b]:.2f}x | {ours[b] / fl:.2f} |" if h else
                     f"| {b} | {fl:.1f} | {ours[b]:.1f} | - | - | {ours[b] / fl:.2f} |")
@@ -109,15 +89,10 @@ def main():
     header = (f"Medium Qwen3-MoE (vocab 32000, hidden 1024, 16 layers, 16/4 heads of 64, 32 experts top-4, "
               f"moe_intermediate 512, bf16), {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per "
               f"step; torch threads = {args.threads}. Floor from rates measured in the same run: read "
-              f"{bw / 1e9:.1f} GB/s, fp32 matmul {flops / 1e9:.0f} GFLOP/s (`{cpu_model()}`).\n\n"
+              f"{rates['bandwidth'] / 1e9:.1f} GB/s, fp32 matmul {rates['matmul'] / 1e9:.0f} GFLOP/s "
+              f"(`{platform.cpu_flags()}`).\n\n"
               f"    python examples/bench_medium_moe.py --threads {args.threads}\n\n")
     write_section("Engine core: medium Qwen3-MoE decode", header + table)
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    return f"{name}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
 
 
 if __name__ == "__main__":
