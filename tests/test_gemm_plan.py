@@ -191,3 +191,16 @@ def test_chosen_path_is_never_slower_than_torch_bf16(m, n, engine_threads):
         if times["chosen"] <= 1.1 * times["torch"]:
             return
     raise AssertionError(f"{path} slower than torch bf16 by over 10% in every try: {tries}")
+
+
+def test_describe_lists_the_prepared_models_shapes_only(tiny_qwen3_moe, monkeypatch):
+    """A shape another model calibrated earlier in the process stays cached but out of the report."""
+    plan = GemmPlan()
+    plan.linear_path(torch.bfloat16, 1, torch.zeros(40, 24, dtype=torch.bfloat16))
+    assert any(line.startswith("linear bfloat16 N 40 K 24: ") for line in plan.describe())
+    monkeypatch.setattr(gemm_plan, "PLAN", plan)
+    LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8)
+    lines = plan.describe()
+    assert not any("N 40 K 24" in line for line in lines)
+    assert any(("linear", torch.bfloat16, 40, 24, 1) in table for table in plan._tables.values())
+    assert any(line.startswith("experts H 64 2I 64: 1") for line in lines), lines

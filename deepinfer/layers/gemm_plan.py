@@ -97,6 +97,7 @@ class GemmPlan:
         self.table: dict[tuple, str] = {}  # _key(...) -> path, for the current thread counts
         self._tables: dict[tuple, dict] = {}  # _threads() -> its table
         self._loaded_threads = None
+        self.model_shapes: set[tuple] = set()  # the last prepared model's shapes (plus any met later): what describe() lists
 
     @staticmethod
     def cpu_paths(dtype: torch.dtype = torch.bfloat16) -> list[str]:
@@ -119,6 +120,7 @@ class GemmPlan:
         key = _key("linear", dtype, *w.shape, bucket(m))
         if key not in self.table:
             self._calibrate_linear(dtype, w, [bucket(m)])
+            self.model_shapes.add(key[:-1])
         return self.table[key]
 
     def expert_paths(self, w13: torch.Tensor, w2: torch.Tensor, counts: list[int]) -> tuple[str, list[int]]:
@@ -131,6 +133,7 @@ class GemmPlan:
         missing = sorted({bucket(c) for c in counts if c and _key("experts", *shape, bucket(c)) not in self.table})
         if missing or _key("experts", *shape, "kernel") not in self.table:
             self._calibrate_experts(w13, w2, missing or [1])
+            self.model_shapes.add(("experts", *shape))
         kernel = self.table[_key("experts", *shape, "kernel")]
         return kernel, [e for e, c in enumerate(counts) if c and self.table[_key("experts", *shape, bucket(c))] != kernel]
 
@@ -164,14 +167,15 @@ class GemmPlan:
         for mod in model.modules():
             if isinstance(mod, Linear) and mod.weight.dtype == torch.bfloat16:
                 w = mod.weight.data
-                if (tuple(w.shape), "l") not in seen:
-                    seen.add((tuple(w.shape), "l"))
+                if ("linear", dtype, *w.shape) not in seen:
+                    seen.add(("linear", dtype, *w.shape))
                     self._calibrate_linear(dtype, w, [b for b in todo if _key("linear", dtype, *w.shape, b) not in self.table])
             elif isinstance(mod, FusedMoE) and mod.gate_up_proj.dtype == torch.bfloat16:
                 w13, w2 = mod.gate_up_proj.data, mod.down_proj.data
-                if (tuple(w13.shape[1:]), "e") not in seen:
-                    seen.add((tuple(w13.shape[1:]), "e"))
+                if ("experts", *_expert_shape(w13)) not in seen:
+                    seen.add(("experts", *_expert_shape(w13)))
                     self._calibrate_experts(w13, w2, [b for b in todo if _key("experts", *_expert_shape(w13), b) not in self.table])
+        self.model_shapes = seen
 
     def _calibrate_linear(self, dtype: torch.dtype, w: torch.Tensor, rows: list[int]) -> None:
         n, k = w.shape
@@ -214,11 +218,11 @@ class GemmPlan:
     # -- cache and report -----------------------------------------------------------------------------
 
     def describe(self) -> list[str]:
-        """One line per shape: row ranges and their paths, e.g.
-        "linear bfloat16 N 1536 K 1024: 1-15 cpu-avx2, 16+ torch-bf16"."""
+        """One line per shape of model_shapes (every cached shape before any prepare()): row ranges and
+        their paths, e.g. "linear bfloat16 N 1536 K 1024: 1-15 cpu-avx2, 16+ torch-bf16"."""
         shapes: dict[str, list[tuple[int, str]]] = {}
         for key, path in self.table.items():
-            if key[-1] != "kernel":
+            if key[-1] != "kernel" and (not self.model_shapes or key[:-1] in self.model_shapes):
                 shapes.setdefault(_encode(key[:-1]), []).append((key[-1], path))
         return [f"{_label(head)}: {_ranges(sorted(runs))}" for head, runs in sorted(shapes.items())]
 
