@@ -204,3 +204,9 @@ def test_describe_lists_the_prepared_models_shapes_only(tiny_qwen3_moe, monkeypa
     assert not any("N 40 K 24" in line for line in lines)
     assert any(("linear", torch.bfloat16, 40, 24, 1) in table for table in plan._tables.values())
     assert any(line.startswith("experts H 64 2I 64: 1") for line in lines), lines
+
+
+def test_our_kernel_must_beat_torch_bf16_clearly_to_replace_it():
+    assert gemm_plan._choose({"cpu-avx2": 0.97, "torch-bf16": 1.0, "torch-fp32": 2.0}) == "torch-bf16"
+    assert gemm_plan._choose({"cpu-avx2": 0.90, "torch-bf16": 1.0}) == "cpu-avx2"
+    assert gemm_plan._choose({"cpu-avx2": 1.0, "cpu-avx512": 0.99, "torch-fp32": 0.98}) == "torch-fp32"  # no bf16 path: fastest
