@@ -94,10 +94,8 @@ void hc_pre(const void* streams, bool bf16, const float* fn, const float* base, 
             void* collapsed, int num_threads) {
   const int64_t M = (2 + N) * N, chunks = (T + CHUNK - 1) / CHUNK;
   const int threads = threads_for(T, M * N * D, num_threads);
-  parallel_for(threads, threads, [&](int64_t part) {
+  parallel_ranges(chunks, threads, [&](int64_t c0, int64_t c1) {
     std::vector<float> x(static_cast<size_t>(CHUNK * N * D)), xn(x.size()), mixes(static_cast<size_t>(CHUNK * M));
-    int64_t c0, c1;
-    split_range(chunks, threads, part, &c0, &c1);
     for (int64_t c = c0; c < c1; ++c)
       hc_pre_chunk(streams, bf16, fn, base, scale, c * CHUNK, std::min(CHUNK, T - c * CHUNK), N, D, sinkhorn_iters,
                    hc_eps, norm_eps, post, comb, collapsed, x.data(), xn.data(), mixes.data());
@@ -107,10 +105,8 @@ void hc_pre(const void* streams, bool bf16, const float* fn, const float* base, 
 void hc_merge(const void* block_out, const void* streams, bool bf16, const float* post, const float* comb,
               int64_t T, int64_t N, int64_t D, void* out, int num_threads) {
   const int threads = threads_for(T, N * N * D, num_threads);
-  parallel_for(threads, threads, [&](int64_t part) {
+  parallel_ranges(T, threads, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(static_cast<size_t>(N * D)), direct(static_cast<size_t>(D)), mix(static_cast<size_t>(D));
-    int64_t t0, t1;
-    split_range(T, threads, part, &t0, &t1);
     for (int64_t t = t0; t < t1; ++t) {
       load_row(streams, t * N * D, N * D, bf16, s.data());
       load_row(block_out, t * D, D, bf16, direct.data());

@@ -13,10 +13,10 @@ namespace deepinfer {
 // when all have finished. Nested calls (from inside fn) run serially on the calling thread.
 void parallel_for(int64_t tasks, int num_threads, const std::function<void(int64_t)>& fn);
 
-// [begin, end) of part `part` of `parts` near-equal contiguous parts of [0, n).
-inline void split_range(int64_t n, int64_t parts, int64_t part, int64_t* begin, int64_t* end) {
-  *begin = n * part / parts;
-  *end = n * (part + 1) / parts;
+// fn(begin, end) once for each of `parts` near-equal contiguous ranges of [0, n), in parallel: for
+// kernels whose threads each need their own scratch, set up once per range rather than per item.
+inline void parallel_ranges(int64_t n, int parts, const std::function<void(int64_t, int64_t)>& fn) {
+  parallel_for(parts, parts, [&](int64_t part) { fn(n * part / parts, n * (part + 1) / parts); });
 }
 
 }  // namespace deepinfer
