@@ -1,6 +1,8 @@
 #include "cpu/cpu_features.h"
 
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
@@ -16,6 +18,13 @@ uint64_t xcr0() {
   uint32_t eax, edx;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
   return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+// Linux hands out AMX tile state only to processes that ask for it (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); without the grant the first tile instruction raises SIGILL.
+bool request_tile_state() {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
 std::string brand() {
@@ -43,8 +52,9 @@ CpuFeatures detect() {
   f.avx512f = zmm && bit(b, 16);
   f.avx512bw = zmm && bit(b, 30);
   f.avx512vl = zmm && bit(b, 31);
-  f.amx_tile = tiles && bit(d, 24);
-  f.amx_bf16 = tiles && bit(d, 22);
+  const bool granted = tiles && bit(d, 24) && request_tile_state();
+  f.amx_tile = granted;
+  f.amx_bf16 = granted && bit(d, 22);
   __cpuid_count(7, 1, a, b, c, d);
   f.avx512_bf16 = zmm && bit(a, 5);
   return f;
@@ -63,6 +73,7 @@ bool isa_supported(Isa isa) {
     case Isa::AVX2: return f.avx2 && f.fma;
     case Isa::AVX512: return f.avx512f && f.avx512bw && f.avx512vl;
     case Isa::AVX512_BF16: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16;
+    case Isa::AMX: return isa_supported(Isa::AVX512_BF16) && f.amx_tile && f.amx_bf16;
   }
   return false;
 }

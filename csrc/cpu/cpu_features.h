@@ -14,9 +14,9 @@ struct CpuFeatures {
 
 const CpuFeatures& cpu_features();
 
-// The GEMM kernels compiled into the extension, by the instructions they use. AVX512_BF16 rounds the
-// activations to bf16 (its dot products take bf16 pairs); the others read them in fp32.
-enum class Isa : int { AVX2 = 0, AVX512 = 1, AVX512_BF16 = 2 };
+// The GEMM kernels compiled into the extension, by the instructions they use. AVX512_BF16 and AMX round
+// the activations to bf16 (their dot products take bf16 pairs); the others read them in fp32.
+enum class Isa : int { AVX2 = 0, AVX512 = 1, AVX512_BF16 = 2, AMX = 3 };
 
 bool isa_supported(Isa isa);
 

@@ -18,7 +18,7 @@ namespace {
 
 // A kernel ISA the CPU lacks would fault on its first instruction: refuse it as a Python error.
 GemmMode gemm_mode(int isa, bool invariant) {
-  if (isa < static_cast<int>(Isa::AVX2) || isa > static_cast<int>(Isa::AVX512_BF16))
+  if (isa < static_cast<int>(Isa::AVX2) || isa > static_cast<int>(Isa::AMX))
     throw py::value_error("unknown GEMM isa " + std::to_string(isa));
   if (!isa_supported(static_cast<Isa>(isa)))
     throw py::value_error("GEMM isa " + std::to_string(isa) + " is not supported by this CPU");
@@ -39,7 +39,8 @@ py::dict features_dict() {
   d["amx_bf16"] = f.amx_bf16;
   py::list isas;
   for (auto [name, isa] :
-       {std::pair{"avx2", Isa::AVX2}, std::pair{"avx512", Isa::AVX512}, std::pair{"avx512bf16", Isa::AVX512_BF16}})
+       {std::pair{"avx2", Isa::AVX2}, std::pair{"avx512", Isa::AVX512}, std::pair{"avx512bf16", Isa::AVX512_BF16},
+        std::pair{"amx", Isa::AMX}})
     if (isa_supported(isa)) isas.append(py::make_tuple(name, static_cast<int>(isa)));
   d["gemm_isas"] = isas;
   return d;

@@ -10,7 +10,7 @@ STREAM_DTYPES = (torch.float32, torch.bfloat16)
 GEMM_ISAS = dict(reversed(_C.cpu_features()["gemm_isas"]))
 # ISAs whose dot products take bf16 pairs: they round fp32 activations to bf16 first, as torch's bf16
 # GEMM does (exact for bf16 activations). The others read activations in fp32.
-BF16_INPUT_ISAS = {"avx512bf16"}
+BF16_INPUT_ISAS = {"avx512bf16", "amx"}
 # The default ISA: the fastest that keeps fp32 activations exact.
 EXACT_ISA = next(isa for isa in GEMM_ISAS if isa not in BF16_INPUT_ISAS)
 
