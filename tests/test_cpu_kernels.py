@@ -4,7 +4,10 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer import LLM, platform
+from deepinfer.layers import cpu_ops
+from deepinfer.layers.attention import store_kv
 from deepinfer.layers.cpu_ops import BF16_INPUT_ISAS, GEMM_ISAS, grouped_experts_bf16, linear_bf16
+from deepinfer.layers.rotary import RotaryEmbedding
 
 # Every kernel ISA this CPU runs, each with and without the batch-invariant reduction order.
 MODES = [(isa, inv) for isa in GEMM_ISAS for inv in (False, True)]
@@ -189,3 +192,87 @@ def test_paged_decode_attention_rejects_contexts_outside_the_table():
     cache = torch.zeros(4, 16, 2, 8)
     with pytest.raises(ValueError, match="context_lens"):
         paged_decode_attention(torch.zeros(1, 2, 8), cache, cache, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """deepinfer/layers/norm.py's torch form (transformers' RMSNorm)."""
+    x32 = x.float()
+    y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else weight * y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n", [(1, 1024), (3, 37), (700, 128)])  # 700 x 128: split over threads
+def test_rms_norm_matches_torch(rows, n, dtype, monkeypatch):
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 2)
+    g = torch.Generator().manual_seed(rows + n)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    w = torch.randn(n, generator=g).to(dtype)
+    for weight in (w, None):
+        out, ref = cpu_ops.rms_norm(x, weight, 1e-6), torch_rms_norm(x, weight, 1e-6)
+        # bf16: the same bits; fp32: the sum of squares is accumulated in another order (last bit)
+        tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, ref, **tol)
+    strided = x[:, : n // 2]  # rows of a wider tensor, as q/k heads are views of the fused projection
+    torch.testing.assert_close(cpu_ops.rms_norm(strided, w[: n // 2], 1e-6), torch_rms_norm(strided, w[: n // 2], 1e-6),
+                               rtol=1e-6, atol=1e-6 if dtype == torch.float32 else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_store_matches_the_torch_layers(qk_norm, dtype):
+    """The fused attention inputs against the torch modules they replace: RMSNorm per head, rotary,
+    store_kv into scattered slots (slots not written stay untouched)."""
+    g = torch.Generator().manual_seed(int(qk_norm))
+    t, h, hkv, d = 9, 4, 2, 64
+    rotary = RotaryEmbedding(d, 128, 10000.0)
+    qkv = (torch.randn(t, (h + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    qw, kw = (torch.randn(d, generator=g).to(dtype) for _ in range(2)) if qk_norm else (None, None)
+    positions = torch.randint(0, 128, (t,), generator=g)
+    slots = torch.randperm(4 * 8, generator=g)[:t]
+    k_cache, v_cache = torch.full((4, 8, hkv, d), 7.0, dtype=dtype), torch.full((4, 8, hkv, d), 7.0, dtype=dtype)
+    q = cpu_ops.qk_norm_rope_store(qkv, h, hkv, d, qw, kw, 1e-6, rotary.cos, rotary.sin, positions, k_cache, v_cache,
+                                   slots)
+    q_ref, k_ref, v_ref = qkv.split([h * d, hkv * d, hkv * d], -1)
+    q_ref, k_ref, v_ref = q_ref.reshape(t, h, d), k_ref.reshape(t, hkv, d), v_ref.reshape(t, hkv, d)
+    if qk_norm:
+        q_ref, k_ref = torch_rms_norm(q_ref, qw, 1e-6), torch_rms_norm(k_ref, kw, 1e-6)
+    q_ref, k_ref = rotary(positions, q_ref, k_ref)
+    k_exp, v_exp = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
+    store_kv(k_exp, v_exp, k_ref, v_ref, slots)
+    tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 or not qk_norm else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k_cache, k_exp, **tol)
+    assert torch.equal(v_cache, v_exp)
+    with pytest.raises(IndexError, match="position"):
+        cpu_ops.qk_norm_rope_store(qkv, h, hkv, d, qw, kw, 1e-6, rotary.cos, rotary.sin, positions + 128, k_cache,
+                                   v_cache, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 6, 300])  # 300 tokens x 3: the gather and the sum split over threads
+def test_moe_experts_match_grouped_loop(t, dtype, monkeypatch):
+    """The fused MoE call against grouping, expert by expert, and index_add_ in torch; a skipped expert
+    contributes nothing."""
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 2)
+    g = torch.Generator().manual_seed(t)
+    e, h, i, k = 6, 64, 40, 3
+    x = torch.randn(t, h, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g).to(dtype)
+    w13 = torch.randn(e, 2 * i, h, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(e, h, i, generator=g).to(torch.bfloat16)
+    skip = torch.zeros(e, dtype=torch.bool)
+    skip[2] = True
+    out = cpu_ops.moe_experts_bf16(x, ids, weights, w13, w2, 0.9, skip)
+    ref = torch.zeros(t, h)
+    for expert in range(e):
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        if expert == 2 or not len(token):
+            continue
+        gate, up = F.linear(x[token].float(), w13[expert].float()).chunk(2, -1)
+        rows = F.linear(F.silu(gate.clamp(max=0.9)) * up.clamp(-0.9, 0.9), w2[expert].float())
+        ref.index_add_(0, token, rows * weights[token, slot, None].float())
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="topk_ids"):
+        cpu_ops.moe_experts_bf16(x, ids + e, weights, w13, w2)

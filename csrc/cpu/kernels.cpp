@@ -10,6 +10,8 @@
 #include "cpu/decode_attention.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/hyper_connection.h"
+#include "cpu/moe.h"
+#include "cpu/norm_rope.h"
 
 namespace py = pybind11;
 using namespace deepinfer;
@@ -75,6 +77,48 @@ void bind_cpu_kernels(py::module_& m) {
       },
       "y[S,H] fp32: rows offsets[e]..offsets[e+1] of x [S,H] through SwiGLU expert e (w13 [E,2I,H], w2 [E,H,I] "
       "bf16), gate and up clamped at limit; experts with skip[e] (uint8 [E], 0 for none) left unwritten");
+  m.def(
+      "moe_experts_bf16",
+      [](uintptr_t x, uintptr_t ids, uintptr_t weights, bool bf16, int64_t T, int64_t k, int64_t E, uintptr_t skip,
+         uintptr_t w13, uintptr_t w2, uintptr_t y, int64_t H, int64_t I, float limit, int isa, bool invariant,
+         int threads) {
+        GemmMode mode = gemm_mode(isa, invariant);
+        py::gil_scoped_release release;
+        moe_experts_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const int64_t*>(ids),
+                         reinterpret_cast<const void*>(weights), bf16, T, k, E, reinterpret_cast<const uint8_t*>(skip),
+                         reinterpret_cast<const uint16_t*>(w13), reinterpret_cast<const uint16_t*>(w2),
+                         reinterpret_cast<float*>(y), H, I, limit, mode, threads);
+      },
+      "y [T,H] fp32 = sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) over experts without skip[e] (uint8 [E], 0: none)");
+  m.def(
+      "rms_norm",
+      [](uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t rows, int64_t n, float eps, bool bf16,
+         int threads) {
+        rms_norm(reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<const void*>(w),
+                 reinterpret_cast<void*>(out), rows, n, eps, bf16, threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "out [rows, n] = w * round(x * rsqrt(mean(x^2) + eps)) (w 0 for none); x rows x_stride elements apart");
+  m.def(
+      "qk_norm_rope_store",
+      [](uintptr_t qkv, int64_t qkv_stride, int64_t T, int64_t H, int64_t Hkv, int64_t D, uintptr_t q_w, uintptr_t k_w,
+         float eps, uintptr_t cos, uintptr_t sin, int64_t num_positions, uintptr_t positions, uintptr_t k_cache,
+         uintptr_t v_cache, int64_t num_slots, uintptr_t slots, uintptr_t q_out, bool bf16, int threads) {
+        bool ok;
+        {
+          py::gil_scoped_release release;
+          ok = qk_norm_rope_store(reinterpret_cast<const void*>(qkv), qkv_stride, T, H, Hkv, D,
+                                  reinterpret_cast<const void*>(q_w), reinterpret_cast<const void*>(k_w), eps,
+                                  reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin),
+                                  num_positions, reinterpret_cast<const int64_t*>(positions),
+                                  reinterpret_cast<void*>(k_cache), reinterpret_cast<void*>(v_cache), num_slots,
+                                  reinterpret_cast<const int64_t*>(slots), reinterpret_cast<void*>(q_out), bf16,
+                                  threads);
+        }
+        if (!ok)
+          throw py::index_error("qk_norm_rope_store: a position lies past the rotary table or a slot past the cache");
+      },
+      "q [T,H,D] = rope(norm(q)); rope(norm(k)) and v stored to the caches at slots, from qkv [T,(H+2Hkv)D]");
   m.def(
       "hc_pre",
       [](uintptr_t streams, bool bf16, uintptr_t fn, uintptr_t base, uintptr_t scale, int64_t T, int64_t N, int64_t D,

@@ -79,6 +79,99 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     return y
 
 
+def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor, limit: float = float("inf"), skip: torch.Tensor | None = None,
+                     isa: str | None = None, invariant: bool = False) -> torch.Tensor:
+    """x [T, H]; topk_ids [T, k] expert ids; topk_weights [T, k] in x.dtype (fp32 or bf16); w13 [E, 2I, H], w2
+    [E, H, I] bf16 -> [T, H] fp32: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SwiGLU clamped at
+    limit. skip [E] bool: experts the caller adds itself. isa, invariant: as linear_bf16."""
+    _check(x, "x", STREAM_DTYPES, 2)
+    _check(w13, "w13", torch.bfloat16, 3)
+    _check(w2, "w2", torch.bfloat16, 3)
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(x.dtype).contiguous()
+    if w13.shape[2] != h or w2.shape != (e, h, two_i // 2) or ids.dim() != 2 or ids.shape[0] != t \
+            or weights.shape != ids.shape:
+        raise ValueError(f"moe shapes disagree: x {tuple(x.shape)}, topk_ids {tuple(ids.shape)}, topk_weights "
+                         f"{tuple(weights.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= e):
+        raise ValueError(f"topk_ids must lie in [0, {e}), got [{int(ids.min())}, {int(ids.max())}]")
+    if skip is not None and skip.shape != (e,):
+        raise ValueError(f"skip: expected one flag per expert ({e}), got {tuple(skip.shape)}")
+    skip8 = None if skip is None else skip.to(torch.uint8).contiguous()
+    y = torch.empty(t, h)
+    _C.moe_experts_bf16(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), x.dtype == torch.bfloat16, t, ids.shape[1],
+                        e, 0 if skip8 is None else skip8.data_ptr(), w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h,
+                        two_i // 2, float(limit), _isa_id(isa), invariant, platform.kernel_threads())
+    return y
+
+
+def fast_path(*tensors: torch.Tensor | None) -> bool:
+    """Whether the C++ kernels take these tensors (None: an absent optional one): on the CPU, all of one
+    dtype they read."""
+    present = [t for t in tensors if t is not None]
+    return all(t.device.type == "cpu" and t.dtype == present[0].dtype for t in present) \
+        and present[0].dtype in STREAM_DTYPES
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., n]; weight [n] in x.dtype or None -> [..., n]: transformers' RMSNorm (see csrc/cpu/norm_rope.h)."""
+    n = x.shape[-1]
+    if not fast_path(x):
+        raise ValueError(f"rms_norm: x must be a CPU tensor of {STREAM_DTYPES}, got {x.dtype} on {x.device}")
+    if weight is not None:
+        _check(weight, "weight", x.dtype, 1)
+        if weight.shape != (n,):
+            raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {n}")
+    x2 = x.reshape(-1, n)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    _C.rms_norm(x2.data_ptr(), x2.stride(0), 0 if weight is None else weight.data_ptr(), out.data_ptr(),
+                x2.shape[0], n, float(eps), x.dtype == torch.bfloat16, platform.kernel_threads())
+    return out.view(x.shape)
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                       sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> torch.Tensor:
+    """qkv [T, (H + 2 Hkv) D] -> q [T, H, D] = rope(norm(q)); rope(norm(k)) and v go to k_cache, v_cache
+    [blocks, block_size, Hkv, D] at slot_mapping [T]. q_weight, k_weight [D] or None (no q/k norm);
+    cos, sin [max_position, D] fp32; positions [T]. See csrc/cpu/norm_rope.h."""
+    t, width = qkv.shape
+    h, hkv, d = num_heads, num_kv_heads, head_dim
+    if width != (h + 2 * hkv) * d or d % 2 or not fast_path(qkv):
+        raise ValueError(f"qk_norm_rope_store: qkv {qkv.dtype} {tuple(qkv.shape)} on {qkv.device} for {h} + 2 x {hkv} "
+                         f"heads of an even {d}, in {STREAM_DTYPES}")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None:
+            _check(w, name, qkv.dtype, 1)
+            if w.shape != (d,):
+                raise ValueError(f"{name}: expected [{d}], got {tuple(w.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check(table, name, torch.float32, 2)
+        if table.shape[1] != d:
+            raise ValueError(f"{name}: expected [positions, {d}], got {tuple(table.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(cache, name, qkv.dtype, 4)
+        if cache.shape[2:] != (hkv, d):
+            raise ValueError(f"{name}: expected [blocks, block_size, {hkv}, {d}], got {tuple(cache.shape)}")
+    qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    pos, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
+    if pos.shape != (t,) or slots.shape != (t,):
+        raise ValueError(f"positions {tuple(pos.shape)} and slot_mapping {tuple(slots.shape)} must be [{t}]")
+    q = torch.empty(t, h, d, dtype=qkv.dtype)
+    ptr = lambda w: 0 if w is None else w.data_ptr()  # noqa: E731
+    _C.qk_norm_rope_store(qkv.data_ptr(), qkv.stride(0), t, h, hkv, d, ptr(q_weight), ptr(k_weight), float(eps),
+                          cos.data_ptr(), sin.data_ptr(), cos.shape[0], pos.data_ptr(), k_cache.data_ptr(),
+                          v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1], slots.data_ptr(), q.data_ptr(),
+                          qkv.dtype == torch.bfloat16, platform.kernel_threads())
+    return q
+
+
 MAX_HC_STREAMS = 64  # the kernels keep one token's per-stream weights on the stack
 
 

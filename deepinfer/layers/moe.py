@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.layers import cpu_ops
 from deepinfer.layers.cpu_ops import grouped_experts_bf16
 from deepinfer.layers.gemm_plan import PLAN, torch_expert
 
@@ -26,6 +27,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_ids, topk_weights [T, k] -> [T, H] = sum_k w * expert_k(x)."""
+        if self.gate_up_proj.dtype == torch.bfloat16 and cpu_ops.fast_path(x):
+            return self._forward_bf16(x, topk_ids, topk_weights).to(x.dtype)
         k = topk_ids.shape[1]
         flat = topk_ids.flatten()
         order = flat.argsort(stable=True)
@@ -63,6 +66,24 @@ class FusedMoE(nn.Module):
             start = end
         return out
 
+
+    def _forward_bf16(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """forward's grouping, experts and weighted sum in one C++ call -> [T, H] fp32; the experts the GEMM
+        plan sends to torch's bf16 GEMM are added after it."""
+        limit = float("inf") if self.limit is None else self.limit
+        counts = torch.bincount(topk_ids.flatten(), minlength=self.num_experts).tolist()
+        kernel, via_torch = PLAN.expert_paths(self.gate_up_proj, self.down_proj, counts)
+        skip = None
+        if via_torch:
+            skip = torch.zeros(self.num_experts, dtype=torch.bool)
+            skip[via_torch] = True
+        y = cpu_ops.moe_experts_bf16(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, limit, skip,
+                                     isa=kernel[4:], invariant=PLAN.invariant)
+        for e in via_torch:
+            token, slot = (topk_ids == e).nonzero(as_tuple=True)
+            rows = torch_expert(x[token].float(), self.gate_up_proj[e], self.down_proj[e], limit)
+            y.index_add_(0, token, rows * topk_weights[token, slot, None].float())
+        return y
 
     def _run_bf16(self, grouped: torch.Tensor, counts: torch.Tensor, limit: float) -> torch.Tensor:
         """Our grouped kernel runs every expert except those the GEMM plan sends to torch's bf16 GEMM

@@ -8,6 +8,7 @@ from torch import nn
 
 from deepinfer.config import hf_get, rope_scaling, rope_theta
 from deepinfer.engine.cache_spec import CacheSpec, CacheTensor
+from deepinfer.layers import cpu_ops
 from deepinfer.layers.attention import paged_attention, store_kv
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.layers.linear import Linear, linear
@@ -38,7 +39,26 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if cpu_ops.fast_path(qkv, self.k_cache, self.v_cache, *self._norm_weights()):
+            q = cpu_ops.qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                           *self._norm_weights(), self._norm_eps(), self.rotary.cos, self.rotary.sin,
+                                           meta.positions, self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            q = self._inputs_torch(qkv, meta)
+        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _norm_weights(self) -> tuple:
+        """(q_norm, k_norm) weights, or (None, None) without q/k norm."""
+        return (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+
+    def _norm_eps(self) -> float:
+        return 0.0 if self.q_norm is None else self.q_norm.eps
+
+    def _inputs_torch(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The torch form of cpu_ops.qk_norm_rope_store (other devices and dtypes): qkv [T, q + 2 kv] -> q [T, H, D]."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -46,8 +66,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(meta.positions, q, k)
         store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim ** -0.5)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q
 
 
 class MLP(nn.Module):

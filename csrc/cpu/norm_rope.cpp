@@ -1,0 +1,96 @@
+#include "cpu/norm_rope.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu/bf16.h"
+#include "cpu/thread_pool.h"
+
+namespace deepinfer {
+namespace {
+
+// Below this many elements a call runs on the calling thread: waking a worker costs more.
+constexpr int64_t PARALLEL_MIN_ELEMS = 1 << 16;
+
+int threads_for(int64_t elems, int num_threads) { return elems >= PARALLEL_MIN_ELEMS ? num_threads : 1; }
+
+// v[0..n) = w * round(v * rsqrt(mean(v^2) + eps)) in place (fp32 values of the dtype); w fp32 or null.
+void norm_in_place(float* v, const float* w, int64_t n, float eps, bool bf16) {
+  double sq = 0.0;
+  for (int64_t i = 0; i < n; ++i) sq += static_cast<double>(v[i]) * v[i];
+  const float r = 1.0f / std::sqrt(static_cast<float>(sq / n) + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    float y = round_to(v[i] * r, bf16);
+    v[i] = w ? round_to(w[i] * y, bf16) : y;
+  }
+}
+
+// Rotate-half rotary embedding of v [D] in place, cos/sin already rounded to the dtype:
+// round(round(v * c) + round(rotate_half(v) * s)), the three roundings of torch's bf16 ops.
+void rope_in_place(float* v, const float* c, const float* s, int64_t D, bool bf16, float* tmp) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float rot = i < half ? -v[i + half] : v[i - half];
+    tmp[i] = round_to(round_to(v[i] * c[i], bf16) + round_to(rot * s[i], bf16), bf16);
+  }
+  std::memcpy(v, tmp, D * sizeof(float));
+}
+
+std::vector<float> widen(const void* p, int64_t n, bool bf16) {
+  std::vector<float> out(p ? n : 0);
+  if (p) load_row(p, 0, n, bf16, out.data());
+  return out;
+}
+
+}  // namespace
+
+void rms_norm(const void* x, int64_t x_stride, const void* w, void* out, int64_t rows, int64_t n, float eps,
+              bool bf16, int num_threads) {
+  const std::vector<float> wf = widen(w, n, bf16);
+  const int parts = threads_for(rows * n, num_threads);
+  parallel_ranges(rows, parts, [&](int64_t r0, int64_t r1) {
+    std::vector<float> v(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      load_row(x, r * x_stride, n, bf16, v.data());
+      norm_in_place(v.data(), w ? wf.data() : nullptr, n, eps, bf16);
+      store_row(out, r * n, n, bf16, v.data());
+    }
+  });
+}
+
+bool qk_norm_rope_store(const void* qkv, int64_t qkv_stride, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                        const void* q_w, const void* k_w, float eps, const float* cos, const float* sin,
+                        int64_t num_positions, const int64_t* positions, void* k_cache, void* v_cache,
+                        int64_t num_slots, const int64_t* slots, void* q_out, bool bf16, int num_threads) {
+  for (int64_t t = 0; t < T; ++t)
+    if (positions[t] < 0 || positions[t] >= num_positions || slots[t] < 0 || slots[t] >= num_slots) return false;
+  const std::vector<float> qw = widen(q_w, D, bf16), kw = widen(k_w, D, bf16);
+  const int64_t kv_row = Hkv * D;
+  const int parts = threads_for(T * (H + 2 * Hkv) * D, num_threads);
+  parallel_ranges(T, parts, [&](int64_t t0, int64_t t1) {
+    std::vector<float> c(D), s(D), v(D), tmp(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = 0; i < D; ++i) {  // the tables rounded to the dtype, as torch's cos.to(q.dtype)
+        c[i] = round_to(cos[positions[t] * D + i], bf16);
+        s[i] = round_to(sin[positions[t] * D + i], bf16);
+      }
+      const int64_t row = t * qkv_stride;
+      for (int64_t h = 0; h < H + Hkv; ++h) {  // q heads, then k heads
+        const bool is_q = h < H;
+        load_row(qkv, row + h * D, D, bf16, v.data());
+        const std::vector<float>& w = is_q ? qw : kw;
+        if ((is_q ? q_w : k_w) != nullptr) norm_in_place(v.data(), w.data(), D, eps, bf16);
+        rope_in_place(v.data(), c.data(), s.data(), D, bf16, tmp.data());
+        if (is_q) store_row(q_out, (t * H + h) * D, D, bf16, v.data());
+        else store_row(k_cache, slots[t] * kv_row + (h - H) * D, D, bf16, v.data());
+      }
+      const size_t elem = bf16 ? 2 : 4;  // v is stored as it came out of the projection
+      std::memcpy(static_cast<char*>(v_cache) + slots[t] * kv_row * elem,
+                  static_cast<const char*>(qkv) + (row + (H + Hkv) * D) * elem, kv_row * elem);
+    }
+  });
+  return true;
+}
+
+}  // namespace deepinfer
