@@ -28,23 +28,56 @@ float exp_shifted(float* x, int64_t n, float m) {
   return sum;
 }
 
+// out[i] = scale * (q . keys[i]) for 8 rows of keys [8, D] (D a multiple of 8): one accumulator per row,
+// then the 8 horizontal sums at once (three rounds of hadd), instead of a horizontal sum per row.
+void dot8(const float* q, const float* keys, int64_t D, float scale, float* out) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + i * D + d), acc[i]);
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+}
+
+// Dimensions of the value rows summed per pass, held in registers (8 of the 16 ymm registers).
+constexpr int64_t PV_DIMS = 64;
+
+// acc[0, 8 V) = sum_j p[j] * values[j * stride + (0, 8 V)], accumulated in V registers across all j.
+template <int V>
+void weighted_sum(const float* p, const float* values, int64_t n, int64_t stride, float* acc) {
+  __m256 sum[V];
+  for (int v = 0; v < V; ++v) sum[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 w = _mm256_broadcast_ss(p + j);
+    for (int v = 0; v < V; ++v) sum[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values + j * stride + 8 * v), sum[v]);
+  }
+  for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + 8 * v, sum[v]);
+}
+
 // One head: softmax(scale * keys q, with an optional sink logit) over n rows -> acc [D] = p values.
 // keys and values are [n, D] fp32 (the same rows for V4's shared K=V); p holds n floats of scratch.
 // A sink of -inf is no sink; with no rows and no sink the result is zero.
 void attend_head(const float* qf, const float* keys, const float* values, int64_t n, int64_t D, float scale,
                  float sink, float* p, float* acc) {
   std::fill(acc, acc + D, 0.0f);
+  int64_t j = 0;
+  if (D % 8 == 0)
+    for (; j + 8 <= n; j += 8) dot8(qf, keys + j * D, D, scale, p + j);
+  for (; j < n; ++j) p[j] = dot(qf, keys + j * D, D) * scale;
   float m = sink;
-  for (int64_t j = 0; j < n; ++j) {
-    p[j] = dot(qf, keys + j * D, D) * scale;
-    m = std::max(m, p[j]);
-  }
+  for (j = 0; j < n; ++j) m = std::max(m, p[j]);
   if (m == -INFINITY) return;
   const float denom = exp_shifted(p, n, m) + std::exp(sink - m);
-  for (int64_t j = 0; j < n; ++j) {
-    const float wj = p[j] / denom;
-    for (int64_t d = 0; d < D; ++d) acc[d] += wj * values[j * D + d];
-  }
+  for (int64_t j = 0; j < n; ++j) p[j] /= denom;
+  int64_t d0 = 0;
+  for (; d0 + PV_DIMS <= D; d0 += PV_DIMS) weighted_sum<PV_DIMS / 8>(p, values + d0, n, D, acc + d0);
+  for (; d0 + 8 <= D; d0 += 8) weighted_sum<1>(p, values + d0, n, D, acc + d0);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = d0; d < D; ++d) acc[d] += p[j] * values[j * D + d];
 }
 
 // V4 sequence b: gathers its valid keys into kv [n, D] fp32, then each head's softmax-weighted sum.

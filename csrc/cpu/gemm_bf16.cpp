@@ -134,15 +134,15 @@ void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t
 
 void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,
                  int64_t K, int64_t N, GemmMode mode, int num_threads) {
-  std::vector<float> xf, of;
+  std::unique_ptr<float[]> xf, of;  // bf16_io: fp32 copies, fully written before use (no zero fill)
   const float* xp = static_cast<const float*>(x);
   float* op = static_cast<float*>(out);
   if (bf16_io) {
-    xf.resize(static_cast<size_t>(M * K));
-    load_row(x, 0, M * K, true, xf.data());
-    xp = xf.data();
-    of.resize(static_cast<size_t>(M * N));
-    op = of.data();
+    xf.reset(new float[M * K]);
+    load_row(x, 0, M * K, true, xf.get());
+    xp = xf.get();
+    of.reset(new float[M * N]);
+    op = of.get();
   }
   gemm_bf16(xp, w, op, M, K, N, mode, num_threads);
   if (bias)

@@ -1,6 +1,7 @@
 #include "cpu/moe.h"
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "cpu/bf16.h"
@@ -42,11 +43,12 @@ void moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bo
                       int64_t I, float limit, GemmMode mode, int num_threads) {
   const int64_t pairs = T * k;
   const Grouping g = group_by_expert(ids, pairs, E);
-  std::vector<float> rows(pairs * H), out(pairs * H);
+  // Not value-initialised: every row is written before it is read (a skipped expert's rows are never read).
+  std::unique_ptr<float[]> rows(new float[pairs * H]), out(new float[pairs * H]);
   parallel_ranges(pairs, threads_for(pairs * H, num_threads), [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) load_row(x, g.pair_of_slot[p] / k * H, H, bf16, rows.data() + p * H);
+    for (int64_t p = p0; p < p1; ++p) load_row(x, g.pair_of_slot[p] / k * H, H, bf16, rows.get() + p * H);
   });
-  grouped_experts_bf16(rows.data(), g.offsets.data(), E, skip, w13, w2, out.data(), H, I, limit, mode, num_threads);
+  grouped_experts_bf16(rows.get(), g.offsets.data(), E, skip, w13, w2, out.get(), H, I, limit, mode, num_threads);
   parallel_ranges(T, threads_for(pairs * H, num_threads), [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> slots(k);
     std::vector<float> w(k);
@@ -59,7 +61,7 @@ void moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bo
         const int64_t f = g.pair_of_slot[p];
         if (skip && skip[ids[f]]) continue;
         load_row(weights, f, 1, bf16, w.data());
-        const float* o = out.data() + p * H;
+        const float* o = out.get() + p * H;
         for (int64_t i = 0; i < H; ++i) acc[i] += w[0] * o[i];
       }
     }
