@@ -85,8 +85,10 @@ void stream_rows(const typename V::xtype* x, const uint16_t* w, float* out, int6
       for (int a = 0; a < A; ++a) acc[r][a] = V::zero();
     int64_t k = 0;
     for (; k + L * A <= K; k += L * A) {
+      // Every line this step reads, STREAM_PREFETCH ahead (one step is 1-4 lines, by the ISA's width).
       const char* ahead = reinterpret_cast<const char*>(row + k) + STREAM_PREFETCH;
-      if ((k * 2) % 64 == 0 && ahead < end) _mm_prefetch(ahead, _MM_HINT_T0);  // once per line
+      for (int line = 0; line < L * A * 2; line += 64)
+        if (ahead + line < end) _mm_prefetch(ahead + line, _MM_HINT_T0);
       for (int a = 0; a < A; ++a) {
         typename V::wreg wv = V::load_bf16(row + k + L * a);
         for (int r = 0; r < R; ++r) acc[r][a] = V::fma(V::load_x(x + r * K + k + L * a), wv, acc[r][a]);
