@@ -24,6 +24,12 @@ def test_cpu_features_name_the_kernels_that_run_here():
     assert ("avx2", 0) in [tuple(i) for i in f["gemm_isas"]]
     assert (("avx512", 1) in [tuple(i) for i in f["gemm_isas"]]) == (f["avx512f"] and f["avx512bw"] and f["avx512vl"])
     assert f["model"] and platform.cpu_flags().startswith(f["model"])
+    # The kernel's cpuid agrees with the OS's view, and on Linux a CPU with AMX gets its tile state
+    # granted (arch_prctl), so the AMX kernel runs wherever the flags say it can.
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = set(next(ln for ln in cpuinfo if ln.startswith("flags")).split(":", 1)[1].split())
+    assert f["avx512_bf16"] == ("avx512_bf16" in flags)
+    assert ("amx" in dict(f["gemm_isas"])) == ({"amx_tile", "amx_bf16", "avx512_bf16"} <= flags)
     with pytest.raises(ValueError, match="isa"):
         linear_bf16(torch.randn(1, 8), torch.randn(4, 8).to(torch.bfloat16), isa="avx9000")
 

@@ -1,7 +1,9 @@
 """Which GEMM runs each bf16-weight matmul on this CPU.
 
-Our kernels (csrc/cpu, one source instantiated per ISA) beat torch's bf16 GEMM 2-8x on AVX2-only CPUs,
-but on CPUs with AMX tiles torch's oneDNN path is 2.6-6x faster from 16 rows on. Nothing is assumed:
+Our kernels (csrc/cpu, one source instantiated per ISA) beat torch's bf16 GEMM 2-8x on AVX2-only CPUs.
+On CPUs with AMX tiles torch's oneDNN path was 2.6-6x faster than our vector kernels from 16 rows on; our
+AMX kernel beats it again up to ~128 rows (it reorders no weights), and oneDNN keeps prefill-sized M.
+Nothing is assumed:
 for each weight shape and bucket of row counts, every candidate that runs here is timed and the
 fastest kept. Plans are cached on disk by CPU, torch version, extension build and thread count.
 The engine calibrates its model's shapes at start (`prepare`) and logs the table; a shape first met
