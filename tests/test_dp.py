@@ -77,6 +77,19 @@ def test_greedy_dp2_matches_dp1(tiny_qwen3_moe, dp2):
     assert sum(s["tokens"] > 0 for s in stats) == 2
 
 
+def test_sampled_dp2_matches_dp1(tiny_qwen3_moe, dp2):
+    """A sampled token depends on the sequence's seed and position only, not on the rank or the batch it
+    runs in: seeded and unseeded requests on 2 ranks equal one engine's (same engine seed, request ids)."""
+    ps = prompts(6, seed=5)
+    params = [SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, seed=None if i % 2 else i)
+              for i in range(len(ps))]
+    one = LLM(tiny_qwen3_moe, **SMALL)
+    one._request_counter = dp2._request_counter  # the same request ids: dp2 served earlier tests
+    ref = one.generate(ps, params, use_tqdm=False)
+    outs = dp2.generate(ps, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
 def test_expert_load_is_summed_over_ranks(dp2, tmp_path):
     dp2.generate(prompts(4, seed=9), GREEDY, use_tqdm=False)
     load = dp2.get_expert_load()

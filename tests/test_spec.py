@@ -1,5 +1,6 @@
-"""Speculative decoding: the MTPVarlen greedy by hand, lossless outputs with every drafter, the
-sampled distribution under rejection sampling, and bad configurations."""
+"""Speculative decoding: the MTPVarlen greedy by hand, lossless outputs with every drafter, seeded
+sampling token-identical with and without speculation and in any batch, the sampled distribution, and
+bad configurations."""
 from types import SimpleNamespace
 
 import pytest
@@ -125,7 +126,69 @@ def test_lossless_on_llama_with_preemption(tiny_llama):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
-def test_rejection_sampling_keeps_the_target_distribution(tiny_qwen3_moe):
+SAMPLED = [SamplingParams(temperature=0.9, seed=3, max_tokens=16, ignore_eos=True),
+           SamplingParams(temperature=1.3, top_k=5, seed=2 ** 70 + 5, max_tokens=16, ignore_eos=True),
+           SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=-4, max_tokens=16, ignore_eos=True),
+           SamplingParams(temperature=1.0, n=2, seed=9, max_tokens=16, ignore_eos=True)]
+
+
+def sampled_tokens(llm, prompts=PROMPTS, params=SAMPLED):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain_sampled(tiny_qwen3_moe):
+    return sampled_tokens(LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, block_size=4))
+
+
+@pytest.mark.parametrize("method", ["ngram", "replay"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_seeded_sampling_is_identical_with_speculation(tiny_qwen3_moe, plain_sampled, method, k):
+    """A sampled token is the Gumbel-max draw of (seed, position) over the target distribution, and
+    verification accepts a draft exactly when it equals that draw: speculation changes no token, also
+    once the drafter has adapted its acceptance over earlier requests (the second generate)."""
+    spec = {"method": method, "num_draft_tokens": k, "verify": "all"}
+    if method == "replay":  # drafts from the sampled continuations themselves: most are accepted
+        spec.update(acceptance=0.8, references={tuple(p): toks[0] for p, toks in zip(PROMPTS, plain_sampled)})
+    llm = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, block_size=4, speculative=spec)
+    for _ in range(2):
+        outs = llm.generate(PROMPTS, SAMPLED, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == plain_sampled
+        assert sum(o.metrics.spec_verified_drafts for o in outs) > 0
+        if method == "replay":
+            assert sum(o.metrics.spec_accepted_drafts for o in outs) > 0  # drafts did replace target steps
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.cache.num_blocks
+
+
+def test_seeded_sampling_is_identical_alone_and_in_a_batch(tiny_qwen3_moe):
+    """fp32: the same seeded request alone and among 16 others (different prompts and parameters), with
+    and without speculation, gives the same tokens."""
+    params = SamplingParams(temperature=0.8, seed=21, max_tokens=16, ignore_eos=True)
+    others = [[40 + i, 41 + i, 42] for i in range(16)]
+    other_params = [SamplingParams(temperature=1.0, seed=i, max_tokens=12 + i % 5, ignore_eos=True) for i in range(16)]
+    for spec in (None, {"method": "ngram", "num_draft_tokens": 3}):
+        llm = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, block_size=4, speculative=spec)
+        alone = sampled_tokens(llm, [PROMPTS[0]], [params])[0]
+        batch = sampled_tokens(llm, others[:7] + [PROMPTS[0]] + others[7:], other_params[:7] + [params] + other_params[7:])
+        assert batch[7] == alone
+
+
+def test_unseeded_requests_follow_the_engine_seed(tiny_qwen3_moe):
+    """An unseeded request draws from (engine seed, request id): two LLMs with one seed agree, with or
+    without speculation; another seed differs."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def run(seed, spec=None):
+        llm = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, block_size=4, seed=seed, speculative=spec)
+        return sampled_tokens(llm, PROMPTS, params)
+
+    first = run(5)
+    assert run(5, {"method": "ngram", "num_draft_tokens": 4}) == first
+    assert run(6) != first
+
+
+def test_sampled_speculation_keeps_the_target_distribution(tiny_qwen3_moe):
     """Empirical distribution of the 2nd sampled token, with and without speculation, against the
     exact target marginal computed from transformers (total variation)."""
     from transformers import AutoModelForCausalLM

@@ -184,3 +184,20 @@ def test_missing_mtp_tensor_is_named(ckpt, tmp_path):
                                  lambda t: {n: v for n, v in t.items() if n != "mtp.0.e_proj.weight"})
     with pytest.raises(ValueError, match="e_proj"):
         LLM(str(broken), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_seeded_sampling_with_mtp_equals_plain_sampling(ckpt, k):
+    """Sampled tokens are the Gumbel-max draws of (seed, position): MTP drafts change none of them, in the
+    first generate and after the calibration has adapted to earlier requests (the second)."""
+    path, _, _, _ = ckpt
+    prompts = [prompt_of(5, 50), prompt_of(21, 51), prompt_of(40, 52)]
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=16, ignore_eos=True) for t, s in ((0.8, 1), (1.2, 2), (0.5, 3))]
+    plain = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=4, num_threads=1)
+    want = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=4, num_threads=1,
+              speculative={"method": "mtp", "num_draft_tokens": k, "verify": "all", "calibrate": True})
+    for _ in range(2):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        assert sum(o.metrics.spec_verified_drafts for o in outs) > 0

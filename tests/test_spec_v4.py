@@ -131,3 +131,18 @@ def test_lossless_with_preemption(v4, references):
     assert llm.engine.cache.num_blocks == 7
     assert llm.engine.scheduler.num_preemptions > 0
     assert [list(o.outputs[0].token_ids) for o in outs] == [references[tuple(p)] for p in PROMPTS]
+
+
+def test_seeded_sampling_with_speculation_equals_plain_sampling(v4):
+    """Sampled tokens depend only on (seed, position, target distribution): ngram and replay drafts on
+    DeepSeek-V4 change none of them."""
+    path, _ = v4
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=16, ignore_eos=True) for i in range(len(PROMPTS))]
+    kwargs = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=4)
+    want = [list(o.outputs[0].token_ids) for o in LLM(path, **kwargs).generate(PROMPTS, params, use_tqdm=False)]
+    replay = {tuple(p): w for p, w in zip(PROMPTS, want)}
+    for spec in ({"method": "ngram", "num_draft_tokens": 3, "verify": "all"},
+                 {"method": "replay", "num_draft_tokens": 5, "acceptance": 0.7, "references": replay, "verify": "all"}):
+        outs = LLM(path, speculative=spec, **kwargs).generate(PROMPTS, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        assert sum(o.metrics.spec_verified_drafts for o in outs) > 0

@@ -1,7 +1,8 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
 
-Python keeps what only Python needs per sequence (sampling parameters, generator, logprobs,
+Python keeps what only Python needs per sequence (sampling parameters, seed, logprobs,
 detokenised text); the C++ Scheduler owns tokens, blocks and state slots."""
+import hashlib
 import itertools
 import logging
 import time
@@ -36,7 +37,7 @@ class SeqState:
     request_id: str
     index: int
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int  # sampling seed: every sampled token is a function of it, its position and the logits
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)
@@ -64,6 +65,7 @@ class Handoff:
     prompt_token_ids: list[int]
     token_ids: list[int]
     params: SamplingParams
+    seed: int  # the sequence's sampling seed (SeqState.seed)
     kv: dict[str, torch.Tensor]
 
 
@@ -93,7 +95,7 @@ class LLMEngine:
         for line in getattr(self.model, "memory_plan_lines", lambda *_: [])(spec, config.block_size):
             logger.info("memory plan: %s", line)
         self.scheduler = _C.Scheduler(self._scheduler_config())
-        self.runner = ModelRunner(self.model, config.block_size, config.seed)
+        self.runner = ModelRunner(self.model, config.block_size)
         self.spec = Speculator(spec_cfg, self) if spec_cfg is not None else None
         self.seqs: dict[int, SeqState] = {}
         self.requests: dict[str, Request] = {}
@@ -148,12 +150,23 @@ class LLMEngine:
         seq_ids = []
         for index in range(params.n):
             seq_id = next(self._seq_counter)
-            gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
-            self.seqs[seq_id] = SeqState(request_id, index, params, gen, detokenizer=self._detokenizer(params))
+            seed = self.sequence_seed(request_id, params, index)
+            self.seqs[seq_id] = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params))
             self.scheduler.add_sequence(seq_id, prompt_token_ids, limits)
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seq_ids, metrics)
+
+    def sequence_seed(self, request_id: str, params: SamplingParams, index: int) -> int:
+        """The sampling seed of child `index` of a request, as an int64: the request's seed plus the index,
+        or for an unseeded request one derived from the engine's seed and the request id. Nothing else
+        (batch, DP rank, speculation, preemption) enters, so `LLM(seed=s)` runs reproduce as seeded ones do."""
+        if params.seed is None:
+            digest = hashlib.blake2b(f"{self.config.seed}:{request_id}".encode(), digest_size=8).digest()
+            base = int.from_bytes(digest, "little")
+        else:
+            base = params.seed
+        return (base + index + 2 ** 63) % 2 ** 64 - 2 ** 63
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -183,7 +196,7 @@ class LLMEngine:
         sampling = self._sampling_batch(states)
         if batch.type == _C.StepType.DECODE and self.spec is not None and batch.draft_lens.sum() > 0:
             logits = self.runner.logits_all(batch)
-            tokens = self.spec.verify(batch, logits, states, sampling, self.runner.sampler.generator)
+            tokens = self.spec.verify(batch, logits, states, sampling)
             self._count_drafts(states, batch.draft_lens.tolist(), tokens)
             out, firsts = self.spec.token_logprobs(batch, logits, tokens, sampling.num_logprobs)
             results = self.scheduler.process_multi(batch, tokens)
@@ -221,7 +234,7 @@ class LLMEngine:
             top_k=torch.tensor([x.top_k for x in p], dtype=torch.int64),
             top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32),
             min_p=torch.tensor([x.min_p for x in p], dtype=torch.float32),
-            seeds=[None if s.params.seed is None else s.params.seed + s.index for s in states],
+            seeds=[s.seed for s in states],
             offsets=torch.tensor([len(s.token_ids) for s in states], dtype=torch.int64),
             num_logprobs=max(logprobs) if logprobs else -1,
         )
@@ -326,7 +339,7 @@ class LLMEngine:
         kv = self.cache.export(list(seq.block_table), seq.state_slot)
         self.scheduler.release(seq_id)
         req = self.requests[state.request_id]
-        self.handoffs.append(Handoff(state.request_id, req.prompt_token_ids, list(seq.token_ids), state.params, kv))
+        self.handoffs.append(Handoff(state.request_id, req.prompt_token_ids, list(seq.token_ids), state.params, state.seed, kv))
         state.finish_reason = "handoff"
 
     def import_handoff(self, h: Handoff) -> bool:
@@ -337,8 +350,7 @@ class LLMEngine:
             return False
         seq = self.scheduler.sequence(seq_id)
         self.cache.load(list(seq.block_table), seq.state_slot, h.kv)
-        gen = None if p.seed is None else torch.Generator().manual_seed(p.seed)
-        state = SeqState(h.request_id, 0, p, gen, token_ids=h.token_ids[len(h.prompt_token_ids):],
+        state = SeqState(h.request_id, 0, p, h.seed, token_ids=h.token_ids[len(h.prompt_token_ids):],
                          detokenizer=self._detokenizer(p))
         self.seqs[seq_id] = state
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(h.prompt_token_ids))

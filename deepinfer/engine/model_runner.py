@@ -7,9 +7,9 @@ from deepinfer.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, seed: int):
+    def __init__(self, model, block_size: int):
         self.model, self.block_size = model, block_size
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler()
 
     def prepare(self, batch) -> tuple[torch.Tensor, AttentionMetadata]:
         """ScheduledBatch -> (input_ids [T], metadata). The arrays come from C++ input prep."""

@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k, top-p, min-p with per-request seeds, plus logprobs.
+"""Sampling: greedy, temperature, top-k, top-p, min-p with per-sequence seeds, plus logprobs.
 
 Sampled rows go through tilelang_ops' "sample" op (the TileLang kernel on CUDA, its torch reference on
 the CPU), so the CPU engine draws exactly what the kernel is checked against. A row whose logits are not
@@ -15,7 +15,7 @@ from tilelang_ops.dispatch import get_op
 class SamplingBatch:
     """Per-row parameters of one step, B rows.
     temperature, top_p, min_p [B] fp32; top_k [B] int64 (<= 0 disables);
-    seeds: per row the request's seed + the sequence's index among its n, or None (a fresh engine draw);
+    seeds: per row the sequence's sampling seed, an int64 (LLMEngine.sequence_seed);
     offsets [B] int64: tokens the sequence has generated so far;
     num_logprobs: max top logprobs requested in the batch (-1: none)."""
 
@@ -50,8 +50,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int):
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self):
         self.sample = get_op("sample")
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -65,11 +64,10 @@ class Sampler:
         return self.logprobs(logits, tokens, batch.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """A seeded row's draw depends only on (its seed, tokens generated so far), so a seeded request
-        reproduces whatever else shares the batch. Unseeded rows get a 63-bit seed from the engine
-        generator each step (the engine seed keeps whole runs reproducible). Greedy rows: argmax."""
-        drawn = torch.randint(2 ** 63 - 1, (len(batch.seeds),), generator=self.generator).tolist()
-        seeds = torch.tensor([d if s is None else _int64(s) for s, d in zip(batch.seeds, drawn)], dtype=torch.int64)
+        """A row's draw depends only on (its sequence's seed, tokens generated so far), so a sequence
+        reproduces whatever else shares the batch, and speculative verification can recompute it
+        (spec/verify.py). Greedy rows: argmax."""
+        seeds = torch.tensor(batch.seeds, dtype=torch.int64)
         return self.sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, seeds, batch.offsets)
 
     @staticmethod
@@ -92,8 +90,3 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     propagate NaN): two vectorised reductions instead of isfinite's [R, V] bool tensor (measured 0.24 vs
     6.1 ms at 64 x 32000 on one thread, 4% of a batch-64 decode step of the medium Qwen3-MoE)."""
     return torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1))
-
-
-def _int64(seed: int) -> int:
-    """Any Python int as the int64 with the same low 64 bits (the draw hashes those)."""
-    return (seed + 2 ** 63) % 2 ** 64 - 2 ** 63

@@ -92,7 +92,7 @@ class Speculator:
         for seq_id, row, n in zip(ids, tokens.tolist(), lens):
             engine.scheduler.set_drafts(seq_id, row[:n])
 
-    def verify(self, batch, logits: torch.Tensor, states, sampling, engine_generator) -> list[list[int]]:
+    def verify(self, batch, logits: torch.Tensor, states, sampling) -> list[list[int]]:
         """logits [sum(1 + l_r), V] -> per sequence accepted drafts + one target token."""
         qsl = batch.query_start_loc.tolist()
         out, verified, accepted = [], [], []
@@ -100,7 +100,7 @@ class Speculator:
             lo, hi = qsl[i], qsl[i + 1]
             drafts = batch.input_ids[lo + 1:hi].tolist()
             row = sampling.row(i)
-            toks = verify_sequence(logits[lo:hi], drafts, row, state.generator, engine_generator)
+            toks = verify_sequence(logits[lo:hi], drafts, row)
             out.append(toks)
             verified.append(len(drafts))
             accepted.append(max(0, len(toks) - 1))

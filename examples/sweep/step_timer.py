@@ -28,7 +28,7 @@ class _Timed:
         finally:
             self.acc[self.key] = self.acc.get(self.key, 0.0) + time.perf_counter() - t
 
-    def __getattr__(self, name):  # e.g. the engine reads runner.sampler.generator
+    def __getattr__(self, name):  # e.g. the engine reads runner.sampler.sample
         return getattr(self.fn, name)
 
 
