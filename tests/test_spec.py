@@ -115,13 +115,15 @@ def test_logprobs_with_speculation_equal_those_without(tiny_qwen3_moe, reference
                 assert x[tok].rank == y[tok].rank and x[tok].logprob == pytest.approx(y[tok].logprob, abs=1e-4)
 
 
-def test_lossless_on_llama_with_preemption(tiny_llama):
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, seed=8, max_tokens=20, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_lossless_on_llama_with_preemption(tiny_llama, params):
     ps = PROMPTS * 2
-    ref = LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20, block_size=4).generate(ps, GREEDY, use_tqdm=False)
+    ref = LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20, block_size=4).generate(ps, params, use_tqdm=False)
     # 14 blocks of 4 tokens (2 layers x K,V x 2 heads x 16 dims x fp32 = 2048 bytes a block)
     small = LLM(tiny_llama, dtype="float32", kv_cache_memory=14 * 2048, block_size=4,
                 max_num_seqs=4, max_model_len=56, speculative={"method": "ngram", "num_draft_tokens": 4, "verify": "all"})
-    outs = small.generate(ps, GREEDY, use_tqdm=False)
+    outs = small.generate(ps, params, use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
