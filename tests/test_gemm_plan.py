@@ -107,14 +107,16 @@ def test_experts_sent_to_torch_match_the_kernel(monkeypatch):
     weights = torch.rand(7, 2, generator=g)
     ref = moe(x, ids, weights)
     plan = GemmPlan()
-    plan.expert_paths(moe.gate_up_proj, moe.down_proj, [1])  # calibrated, then overridden below
+    plan.expert_paths(moe.gate_up_proj, moe.down_proj, [1, 2, 4])  # calibrated, then overridden below
     shape = (32, 48)
     for rows in (2, 4):
         plan.table[("experts", *shape, rows)] = "torch-bf16"
+    plan.table[("experts", *shape, 1)] = plan.cpu_paths()[-1]
     monkeypatch.setattr(gemm_plan, "PLAN", plan)
     monkeypatch.setattr("deepinfer.layers.moe.PLAN", plan)
     kernel, via_torch = plan.expert_paths(moe.gate_up_proj, moe.down_proj, [3, 7, 2, 2])
     assert kernel.startswith("cpu-") and via_torch == [0, 1, 2, 3]
+    assert plan.expert_paths(moe.gate_up_proj, moe.down_proj, [3, 1, 0, 1]) == (plan.cpu_paths()[-1], [0])
     out = moe(x, ids, weights)
     assert (out - ref).norm() / ref.norm() < 1e-2  # torch's path rounds its two GEMMs' outputs to bf16
 

@@ -11,7 +11,7 @@ later is calibrated on that call.
 
 Paths: "cpu-<isa>" (our kernel; ISAs in cpu_ops.BF16_INPUT_ISAS for bf16 activations only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations
 only, as it rounds its input and output to bf16), "torch-fp32" (F.linear on widened weights: MKL's
-sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel
+sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel (each ISA)
 and torch-bf16, by the expert's row count.
 """
 import json
@@ -33,6 +33,9 @@ CAL_MAX_N = 4096  # wider outputs are timed on their first rows: the time is lin
 REPEATS = 3
 MIN_TIMED_S = 5e-4  # tiny GEMMs are looped to at least this long per timing
 PRUNE = 3.0
+# Bumped when the table's keys change meaning, so no plan cached in an older layout is read (2: experts
+# choose an ISA per row bucket; 1 kept one "kernel" ISA for all row counts).
+PLAN_FORMAT = 2
 
 
 def bucket(m: int) -> int:
@@ -129,17 +132,20 @@ class GemmPlan:
 
     def expert_paths(self, w13: torch.Tensor, w2: torch.Tensor, counts: list[int]) -> tuple[str, list[int]]:
         """w13 [E, 2I, H], w2 [E, H, I], counts [E] rows per expert -> (our grouped kernel's path, the
-        experts that run through torch-bf16 instead)."""
+        experts that run through torch-bf16 instead). One call runs one ISA: the one chosen for the busiest
+        expert our kernel keeps (the ISAs differ most at many rows; below 3 rows AMX runs dot products)."""
         if self.invariant:
             return self.invariant_path(), []
         self._load()
         shape = _expert_shape(w13)
         missing = sorted({bucket(c) for c in counts if c and _key("experts", *shape, bucket(c)) not in self.table})
-        if missing or _key("experts", *shape, "kernel") not in self.table:
-            self._calibrate_experts(w13, w2, missing or [1])
+        if missing:
+            self._calibrate_experts(w13, w2, missing)
             self.model_shapes.add(("experts", *shape))
-        kernel = self.table[_key("experts", *shape, "kernel")]
-        return kernel, [e for e, c in enumerate(counts) if c and self.table[_key("experts", *shape, bucket(c))] != kernel]
+        paths = [self.table[_key("experts", *shape, bucket(c))] if c else None for c in counts]
+        ours = [(c, p) for c, p in zip(counts, paths) if p is not None and p.startswith("cpu-")]
+        kernel = max(ours)[1] if ours else self.cpu_paths()[0]
+        return kernel, [e for e, p in enumerate(paths) if p == "torch-bf16"]
 
     # -- calibration ----------------------------------------------------------------------------------
 
@@ -194,14 +200,12 @@ class GemmPlan:
         self._save()
 
     def _calibrate_experts(self, w13: torch.Tensor, w2: torch.Tensor, rows: list[int]) -> None:
-        """Times one expert per thread (our kernel gives each thread whole experts) at each row count;
-        the kernel's ISA is the one fastest over all row counts (kept once chosen)."""
+        """Times one expert per thread (our kernel gives each thread whole experts) at each row count, on
+        each of our ISAs and torch's bf16 GEMM; a row count's choice is its fastest."""
         e, two_i, h = w13.shape
         n_exp = min(e, platform.kernel_threads())
         w13s, w2s = w13[:n_exp], w2[:n_exp]
         gen = torch.Generator().manual_seed(0)
-        totals = {p: 0.0 for p in self.cpu_paths()}
-        per_rows = {}
         for m in rows:
             x = torch.randn(m * n_exp, h, generator=gen)
             counts = torch.full((n_exp,), m)
@@ -209,13 +213,8 @@ class GemmPlan:
                      for p in self.cpu_paths()}
             cands["torch-bf16"] = lambda: [torch_expert(x[i * m:(i + 1) * m], w13s[i], w2s[i], math.inf)
                                            for i in range(n_exp)]
-            per_rows[m] = fastest(cands)[1]
-            for p in totals:
-                totals[p] += per_rows[m][p]
-        kernel = self.table.get(_key("experts", h, two_i, "kernel")) or min(totals, key=totals.get)
-        self.table[_key("experts", h, two_i, "kernel")] = kernel
-        for m, times in per_rows.items():
-            self.table[_key("experts", h, two_i, m)] = _choose({p: times[p] for p in (kernel, "torch-bf16")})
+            times = fastest(cands)[1]
+            self.table[_key("experts", h, two_i, m)] = _choose(times)
             logger.debug("GEMM calibration experts h %d 2i %d rows %d: %s", h, two_i, m, _fmt(times))
         self._save()
 
@@ -226,7 +225,7 @@ class GemmPlan:
         their paths, e.g. "linear bfloat16 N 1536 K 1024: 1-15 cpu-avx2, 16+ torch-bf16"."""
         shapes: dict[str, list[tuple[int, str]]] = {}
         for key, path in self.table.items():
-            if key[-1] != "kernel" and (not self.model_shapes or key[:-1] in self.model_shapes):
+            if not self.model_shapes or key[:-1] in self.model_shapes:
                 shapes.setdefault(_encode(key[:-1]), []).append((key[-1], path))
         return [f"{_label(head)}: {_ranges(sorted(runs))}" for head, runs in sorted(shapes.items())]
 
@@ -236,7 +235,7 @@ class GemmPlan:
                          [f"- {line}" for line in self.describe()])
 
     def _file(self) -> str:
-        return platform.cache_path("gemm_plans", *_threads())
+        return platform.cache_path("gemm_plans", PLAN_FORMAT, *_threads())
 
     def _load(self) -> None:
         """Switches to the plan of the current thread counts (decode and prefill steps run torch on
@@ -277,7 +276,7 @@ def _threads() -> tuple[int, int]:
 
 
 def _key(kind: str, *parts) -> tuple:
-    """("linear", x dtype, N, K, rows) or ("experts", H, 2I, rows | "kernel"): a lookup per GEMM call,
+    """("linear", x dtype, N, K, rows) or ("experts", H, 2I, rows): a lookup per GEMM call,
     so a plain tuple."""
     return (kind, *parts)
 
