@@ -218,3 +218,11 @@ def test_our_kernel_must_beat_torch_bf16_clearly_to_replace_it():
     assert gemm_plan._choose({"cpu-avx2": 0.95, "torch-bf16": 1.0, "torch-fp32": 2.0}) == "torch-bf16"
     assert gemm_plan._choose({"cpu-avx2": 0.85, "torch-bf16": 1.0}) == "cpu-avx2"
     assert gemm_plan._choose({"cpu-avx2": 1.0, "cpu-avx512": 0.99, "torch-fp32": 0.98}) == "torch-fp32"  # no bf16 path: fastest
+
+
+def test_the_widest_isa_is_kept_unless_another_is_clearly_faster():
+    """Our paths come widest first; calibration's cache-resident timings must beat the widest by
+    ISA_MARGIN to displace it (in the engine, streaming from memory, it was the faster)."""
+    assert gemm_plan._choose({"cpu-amx": 1.05, "cpu-avx512": 1.0, "torch-bf16": 2.0}) == "cpu-amx"
+    assert gemm_plan._choose({"cpu-amx": 1.2, "cpu-avx512": 1.0, "torch-bf16": 2.0}) == "cpu-avx512"
+    assert gemm_plan._choose({"cpu-amx": 1.05, "cpu-avx512": 1.0, "torch-bf16": 1.1}) == "torch-bf16"
