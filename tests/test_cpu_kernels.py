@@ -276,3 +276,19 @@ def test_moe_experts_match_grouped_loop(t, dtype, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="topk_ids"):
         cpu_ops.moe_experts_bf16(x, ids + e, weights, w13, w2)
+
+
+def test_greedy_tokens_match_argmax_and_flag_non_finite_rows(monkeypatch):
+    """torch.argmax's first-maximum rule (a row of ties gives 0, a repeated max its first index); a row with
+    NaN, +inf or -inf gives -1; 70 x 32000 splits over threads."""
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 2)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(70, 32000, generator=g)
+    logits[3, 5], logits[4, 7], logits[5, 9] = float("nan"), float("inf"), float("-inf")
+    logits[6] = 1.0
+    logits[8, 100] = logits[8, 200] = 50.0
+    tokens = cpu_ops.greedy_tokens(logits)
+    assert tokens[3:6].tolist() == [-1, -1, -1]
+    keep = [i for i in range(70) if i not in (3, 4, 5)]
+    assert torch.equal(tokens[keep], logits[keep].argmax(-1)) and tokens[6] == 0 and tokens[8] == 100
+    assert cpu_ops.greedy_tokens(torch.empty(2, 0)).tolist() == [-1, -1]

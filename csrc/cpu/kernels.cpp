@@ -12,6 +12,7 @@
 #include "cpu/hyper_connection.h"
 #include "cpu/moe.h"
 #include "cpu/norm_rope.h"
+#include "cpu/sampling.h"
 
 namespace py = pybind11;
 using namespace deepinfer;
@@ -90,6 +91,13 @@ void bind_cpu_kernels(py::module_& m) {
                          reinterpret_cast<float*>(y), H, I, limit, mode, threads);
       },
       "y [T,H] fp32 = sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) over experts without skip[e] (uint8 [E], 0: none)");
+  m.def(
+      "greedy_tokens",
+      [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {
+        greedy_tokens(reinterpret_cast<const float*>(logits), B, V, reinterpret_cast<int64_t*>(tokens), threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "tokens [B] int64 = first argmax of each row of logits [B,V] fp32, -1 for a row with NaN or inf");
   m.def(
       "rms_norm",
       [](uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t rows, int64_t n, float eps, bool bf16,

@@ -108,6 +108,16 @@ def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return y
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] fp32 -> [B] int64: each row's first argmax, or -1 for a row with NaN or inf."""
+    _check(logits, "logits", torch.float32, 2)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    if logits.shape[1] == 0:
+        return tokens.fill_(-1)
+    _C.greedy_tokens(logits.data_ptr(), logits.shape[0], logits.shape[1], tokens.data_ptr(), platform.kernel_threads())
+    return tokens
+
+
 def fast_path(*tensors: torch.Tensor | None) -> bool:
     """Whether the C++ kernels take these tensors (None: an absent optional one): on the CPU, all of one
     dtype they read."""

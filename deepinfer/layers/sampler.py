@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.layers import cpu_ops
 from tilelang_ops.dispatch import get_op
 
 
@@ -56,6 +57,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] fp32."""
         logits = logits.float()
+        if batch.all_greedy and batch.num_logprobs < 0 and logits.is_contiguous() and logits.device.type == "cpu":
+            return SamplerOutput(cpu_ops.greedy_tokens(logits), None, None, None, None)  # one pass, not four
         finite = finite_rows(logits)
         if not bool(finite.all()):
             logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))

@@ -1,0 +1,12 @@
+#pragma once
+// Greedy sampling in one pass over the logits: torch's finiteness check (amax, amin) and argmax read a
+// [B, V] fp32 tensor three times, ~3% of a batch-64 decode step of the medium Qwen3-MoE at two threads.
+#include <cstdint>
+
+namespace deepinfer {
+
+// tokens[b] = the first index of row b's maximum (torch.argmax's tie rule), or -1 when the row holds a
+// NaN or an infinity. logits [B, V] fp32, rows V apart.
+void greedy_tokens(const float* logits, int64_t B, int64_t V, int64_t* tokens, int num_threads);
+
+}  // namespace deepinfer
