@@ -22,8 +22,8 @@ import torch
 
 from deepinfer import LLM, SamplingParams, _C
 from deepinfer.docs import write_section
-from deepinfer.spec import speculator
-from deepinfer.spec.verify import verify_sequence
+from deepinfer.spec_decode import speculator
+from deepinfer.spec_decode.verify import verify_sequence
 from tilelang_ops.sampling import filter_ref
 
 ARTICLE_CURVE = ([32, 256, 512, 1024], [9.99, 13.20, 18.21, 31.53])
@@ -194,7 +194,7 @@ def main():
     args = ap.parse_args()
     sampled = ("Seeded sampled requests with speculation: a sampled token is the Gumbel-max draw of (the "
                "sequence's seed, its position) over the target distribution, and a draft is accepted exactly "
-               "when it equals that draw (deepinfer/spec/verify.py). Rejection sampling with the same point-mass "
+               "when it equals that draw (deepinfer/spec_decode/verify.py). Rejection sampling with the same point-mass "
                "drafts accepts a draft with the same probability p(d), so its expected acceptance (computed "
                "from the same target distributions) matches the measured one up to sampling noise; it was "
                "removed, as only the coupled verify keeps a seed's output independent of speculation. The model's "

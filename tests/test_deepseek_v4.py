@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.cache_spec import CacheTensor
+from deepinfer.formats.cache_spec import CacheTensor
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
@@ -286,7 +286,8 @@ def test_fp4_kv_cache(ckpt, monkeypatch):
     passed through quantise/dequantise on write (the plumbing), and stay close to the exact run: on this
     tiny random model (head_dim 32) measured max |dlogit| 1.08, mean 0.10 (logit std 1.05), greedy argmax
     agreement 80% over 51 teacher-forced positions; the test bounds 2.0 / 0.2 / 70%."""
-    from deepinfer.layers import fp4, v4_attention
+    from deepinfer.formats import fp4
+    from deepinfer.layers import v4_attention
 
     path, _ = ckpt
     model = load_ours(path)

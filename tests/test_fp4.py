@@ -1,10 +1,10 @@
-"""NVFP4 / MXFP4 formats of deepinfer/layers/fp4.py: hand-computed cases, brute-force rounding, error bounds."""
+"""NVFP4 / MXFP4 formats of deepinfer/formats/fp4.py: hand-computed cases, brute-force rounding, error bounds."""
 import math
 
 import pytest
 import torch
 
-from deepinfer.layers.fp4 import (E2M1_GRID, dequantize_mxfp4, dequantize_nvfp4, e2m1_encode, mxfp4_bytes,
+from deepinfer.formats.fp4 import (E2M1_GRID, dequantize_mxfp4, dequantize_nvfp4, e2m1_encode, mxfp4_bytes,
                                   nvfp4_bytes, quantize_mxfp4, quantize_nvfp4)
 
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

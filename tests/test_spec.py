@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams, _C
-from deepinfer.spec.drafters import NgramDrafter, check_proposal
+from deepinfer.spec_decode.drafters import NgramDrafter, check_proposal
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36]]

@@ -142,7 +142,7 @@ def test_greedy_mtp_speculation_is_lossless(ckpt, k, verify, calibrate):
 
 
 def test_calibration_fits_the_temperature_that_explains_acceptance():
-    from deepinfer.spec.mtp import CALIB_TOP_K, fit_temperature
+    from deepinfer.spec_decode.mtp import CALIB_TOP_K, fit_temperature
 
     g = torch.Generator().manual_seed(0)
     true_t = 2.0

@@ -1,7 +1,7 @@
 """Random inputs shared by the tilelang tests (fresh draws, never zeros; ragged batches and empty ones)."""
 import torch
 
-from deepinfer.layers.fp4 import quantize_mxfp4, quantize_nvfp4
+from deepinfer.formats.fp4 import quantize_mxfp4, quantize_nvfp4
 
 G = {"nvfp4": 16, "mxfp4": 32}
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.layers.fp4 import dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4, quantize_nvfp4
+from deepinfer.formats.fp4 import dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4, quantize_nvfp4
 from test_tilelang_cases import (attention_case, kv_load_case, kv_store_case, mask_case, sampling_case,
                                  verify_case)
 from tilelang_ops import sampling

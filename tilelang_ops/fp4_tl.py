@@ -1,4 +1,4 @@
-"""FP4 encode/decode building blocks for TileLang kernels, bit-exact with deepinfer/layers/fp4.py.
+"""FP4 encode/decode building blocks for TileLang kernels, bit-exact with deepinfer/formats/fp4.py.
 
 These are trace-time helpers: called inside a @T.prim_func they build TIR expressions. Powers of two
 are made by writing exponent bits (T.reinterpret), so no exp2/log2 rounding can creep in.

@@ -8,7 +8,7 @@ Returns (entries [B, k, D] in dtype, valid [B, k] bool); padded entries are exac
 import torch
 import tilelang.language as T
 
-from deepinfer.layers.fp4 import dequantize_mxfp4, dequantize_nvfp4
+from deepinfer.formats.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from tilelang_ops.common import build, check, check_tensor, grid, item, target_of
 from tilelang_ops.fp4_tl import e2m1_value, e4m3_decode, pow2_e8m0
 from tilelang_ops.kv_store import GROUP
@@ -17,7 +17,7 @@ OUT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def kv_load_ref(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dtype=torch.float32):
-    """Gather + dequantise with deepinfer.layers.fp4; see module docstring for shapes."""
+    """Gather + dequantise with deepinfer.formats.fp4; see module docstring for shapes."""
     _validate(packed, scales, block_table, indices, fmt)
     BE = packed.shape[1]
     valid = indices >= 0

@@ -3,13 +3,13 @@ them into the paged pool by slot mapping.
 
 Paged layout: packed [num_blocks, block_entries, D/2] uint8, scales [num_blocks, block_entries, D/G] uint8
 (G = 16 for nvfp4, 32 for mxfp4); slot = block * block_entries + offset; slot < 0 is padding (skipped).
-Format and rounding are exactly deepinfer/layers/fp4.py's (the reference calls it; the kernel is bit-exact).
+Format and rounding are exactly deepinfer/formats/fp4.py's (the reference calls it; the kernel is bit-exact).
 The kernel does not scan values: non-finite input is the caller's bug (the reference raises on it).
 """
 import torch
 import tilelang.language as T
 
-from deepinfer.layers.fp4 import quantize_mxfp4, quantize_nvfp4
+from deepinfer.formats.fp4 import quantize_mxfp4, quantize_nvfp4
 from tilelang_ops.common import build, check, check_tensor, grid, item, target_of
 from tilelang_ops.fp4_tl import absf, e2m1_code, e4m3_round, float_exponent, pow2
 

@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from deepinfer.engine.cache_spec import CacheSpec
+from deepinfer.formats.cache_spec import CacheSpec
 
 logger = logging.getLogger("deepinfer")
 

@@ -22,7 +22,7 @@ from deepinfer.layers.sampler import SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec.speculator import SpecConfig, Speculator, prepare_model
+from deepinfer.spec_decode.speculator import SpecConfig, Speculator, prepare_model
 
 logger = logging.getLogger("deepinfer")
 

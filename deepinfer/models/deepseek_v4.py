@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.engine.cache_spec import CacheSpec, CacheTensor
-from deepinfer.layers import fp4
+from deepinfer.formats.cache_spec import CacheSpec, CacheTensor
+from deepinfer.formats import fp4
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.layers.hyper_connection import HyperConnection, HyperHead, hc_merge
 from deepinfer.layers.moe import FusedMoE, RoutedMoE

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config import hf_get, rope_scaling, rope_theta
-from deepinfer.engine.cache_spec import CacheSpec, CacheTensor
+from deepinfer.formats.cache_spec import CacheSpec, CacheTensor
 from deepinfer.layers import cpu_ops
 from deepinfer.layers.attention import paged_attention, store_kv
 from deepinfer.layers.attention_metadata import AttentionMetadata

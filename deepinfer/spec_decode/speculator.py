@@ -14,9 +14,9 @@ from deepinfer import _C, platform
 from deepinfer.config import dataclass_from_dict
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.layers.sampler import Sampler
-from deepinfer.spec.drafters import DraftBatch, NgramDrafter, ReplayDrafter, check_proposal
-from deepinfer.spec.mtp import MTPDrafter
-from deepinfer.spec.verify import verify_sequence
+from deepinfer.spec_decode.drafters import DraftBatch, NgramDrafter, ReplayDrafter, check_proposal
+from deepinfer.spec_decode.mtp import MTPDrafter
+from deepinfer.spec_decode.verify import verify_sequence
 
 logger = logging.getLogger("deepinfer")
 
