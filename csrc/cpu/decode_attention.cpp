@@ -104,7 +104,7 @@ void v4_decode_attention(const void* q, const void* ring, const int64_t* ring_le
                          const uint8_t* comp_valid, const float* sinks, float scale, void* out, bool bf16, int64_t B,
                          int64_t H, int64_t D, int64_t W, int64_t K, int num_threads) {
   // Sequences split across threads only when each gets enough work to beat the wake-up cost.
-  const int threads = B * H * (W + K) * D >= (1 << 22) ? std::max(1, std::min<int>(num_threads, B)) : 1;
+  const int threads = threads_for(B * H * (W + K) * D, num_threads, 1 << 22);
   parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
     std::vector<float> kv(static_cast<size_t>((W + K) * D)), work(static_cast<size_t>(2 * D + W + K));
     for (int64_t b = b0; b < b1; ++b)
@@ -118,7 +118,7 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
                             const int64_t* context_lens, float scale, void* out, bool bf16, int64_t B, int64_t H,
                             int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int num_threads) {
   const int64_t group = H / Hkv, max_keys = max_blocks * block_size;
-  const int threads = B * H * max_keys * D >= (1 << 20) ? std::max(1, num_threads) : 1;
+  const int threads = threads_for(B * H * max_keys * D, num_threads, 1 << 20);
   parallel_ranges(B * Hkv, threads, [&](int64_t t0, int64_t t1) {
     std::vector<float> keys(static_cast<size_t>(max_keys * D)), values(keys.size());
     std::vector<float> qf(static_cast<size_t>(D)), p(static_cast<size_t>(max_keys)), acc(qf.size());

@@ -22,8 +22,8 @@
 namespace deepinfer {
 namespace {
 
-constexpr int TILE = 16;            // rows of every tile; columns of the fp32 output tile
-constexpr int TILE_K = 32;          // bf16 k per tile row (64 bytes)
+constexpr int TILE = AMX_TILE_ROWS;  // rows of every tile; columns of the fp32 output tile
+constexpr int TILE_K = AMX_TILE_K;   // bf16 k per tile row (64 bytes)
 constexpr int TILE_ELEMS = TILE * TILE_K;
 
 // ldtilecfg's 64-byte layout: palette 1, then bytes per row and rows of each of the 8 tiles.

@@ -42,7 +42,6 @@ constexpr int64_t COLUMN_ALIGN = 48;  // whole column blocks of every tile shape
 // weights faster (1.1x at 1-2 rows, K 1024; AMX 1.3x faster at 3). The batch-invariant mode keeps AMX
 // for every M: a row's tile products do not depend on the other rows.
 constexpr int64_t AMX_MIN_ROWS = 3;
-constexpr int64_t AMX_TILE_ROWS = 16, AMX_TILE_K = 32;
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -124,7 +123,7 @@ void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t
     gemm_columns(isa, x, xb.data(), xk, xt.data(), wide, w, out, M, K, N, n0, n1, mode.invariant);
   };
   // Split N across threads only when each gets enough work to beat the wake-up cost.
-  int threads = (N * K >= (1 << 20)) ? std::max(1, num_threads) : 1;
+  int threads = threads_for(N * K, num_threads, 1 << 20);
   if (threads == 1) return range(0, N);
   int64_t chunk = (N + threads * COLUMN_TASKS_PER_THREAD - 1) / (threads * COLUMN_TASKS_PER_THREAD);
   chunk = (chunk + COLUMN_ALIGN - 1) / COLUMN_ALIGN * COLUMN_ALIGN;

@@ -21,6 +21,8 @@ struct GemmMode {
 };
 
 constexpr int64_t GEMM_GROUP = 16;  // rows of x per outer-product group (the wide path)
+// AMX tiles (gemm_amx.cpp): 16 rows, of 32 bf16 (64 bytes) each.
+constexpr int64_t AMX_TILE_ROWS = 16, AMX_TILE_K = 32;
 
 void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, GemmMode mode,
                int num_threads);

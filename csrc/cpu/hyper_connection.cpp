@@ -82,10 +82,7 @@ void hc_pre_chunk(const void* streams, bool bf16, const float* fn, const float* 
                     collapsed, xn);
 }
 
-// Tokens split across threads only when each gets enough work to beat the wake-up cost.
-int threads_for(int64_t T, int64_t work_per_token, int num_threads) {
-  return T * work_per_token >= (1 << 20) ? std::max(1, std::min<int>(num_threads, static_cast<int>(T))) : 1;
-}
+constexpr int64_t HC_PARALLEL_MIN = 1 << 20;  // multiply-adds of a call below which it stays on one thread
 
 }  // namespace
 
@@ -93,7 +90,8 @@ void hc_pre(const void* streams, bool bf16, const float* fn, const float* base, 
             int64_t N, int64_t D, int sinkhorn_iters, float hc_eps, float norm_eps, float* post, float* comb,
             void* collapsed, int num_threads) {
   const int64_t M = (2 + N) * N, chunks = (T + CHUNK - 1) / CHUNK;
-  const int threads = threads_for(T, M * N * D, num_threads);
+  // Tokens split across threads only when each gets enough work to beat the wake-up cost.
+  const int threads = threads_for(T * M * N * D, num_threads, HC_PARALLEL_MIN);
   parallel_ranges(chunks, threads, [&](int64_t c0, int64_t c1) {
     std::vector<float> x(static_cast<size_t>(CHUNK * N * D)), xn(x.size()), mixes(static_cast<size_t>(CHUNK * M));
     for (int64_t c = c0; c < c1; ++c)
@@ -104,7 +102,7 @@ void hc_pre(const void* streams, bool bf16, const float* fn, const float* base, 
 
 void hc_merge(const void* block_out, const void* streams, bool bf16, const float* post, const float* comb,
               int64_t T, int64_t N, int64_t D, void* out, int num_threads) {
-  const int threads = threads_for(T, N * N * D, num_threads);
+  const int threads = threads_for(T * N * N * D, num_threads, HC_PARALLEL_MIN);
   parallel_ranges(T, threads, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(static_cast<size_t>(N * D)), direct(static_cast<size_t>(D)), mix(static_cast<size_t>(D));
     for (int64_t t = t0; t < t1; ++t) {

@@ -10,10 +10,6 @@
 namespace deepinfer {
 namespace {
 
-constexpr int64_t PARALLEL_MIN_ELEMS = 1 << 16;  // smaller gathers and sums stay on the calling thread
-
-int threads_for(int64_t elems, int num_threads) { return elems >= PARALLEL_MIN_ELEMS ? num_threads : 1; }
-
 // Rows of the expert-sorted order: slot p holds pair f = t * k + j; offsets [E + 1] bound each expert's
 // rows. Stable, so an expert's pairs keep token order.
 struct Grouping {
@@ -51,7 +47,6 @@ void moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bo
   grouped_experts_bf16(rows.get(), g.offsets.data(), E, skip, w13, w2, out.get(), H, I, limit, mode, num_threads);
   parallel_ranges(T, threads_for(pairs * H, num_threads), [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> slots(k);
-    std::vector<float> w(k);
     for (int64_t t = t0; t < t1; ++t) {
       std::copy(g.slot_of_pair.begin() + t * k, g.slot_of_pair.begin() + (t + 1) * k, slots.begin());
       std::sort(slots.begin(), slots.end());  // slots ascend with the expert id
@@ -60,9 +55,10 @@ void moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bo
       for (int64_t p : slots) {
         const int64_t f = g.pair_of_slot[p];
         if (skip && skip[ids[f]]) continue;
-        load_row(weights, f, 1, bf16, w.data());
+        float w;
+        load_row(weights, f, 1, bf16, &w);
         const float* o = out.get() + p * H;
-        for (int64_t i = 0; i < H; ++i) acc[i] += w[0] * o[i];
+        for (int64_t i = 0; i < H; ++i) acc[i] += w * o[i];
       }
     }
   });

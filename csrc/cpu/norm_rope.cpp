@@ -10,11 +10,6 @@
 namespace deepinfer {
 namespace {
 
-// Below this many elements a call runs on the calling thread: waking a worker costs more.
-constexpr int64_t PARALLEL_MIN_ELEMS = 1 << 16;
-
-int threads_for(int64_t elems, int num_threads) { return elems >= PARALLEL_MIN_ELEMS ? num_threads : 1; }
-
 // v[0..n) = w * round(v * rsqrt(mean(v^2) + eps)) in place (fp32 values of the dtype); w fp32 or null.
 void norm_in_place(float* v, const float* w, int64_t n, float eps, bool bf16) {
   double sq = 0.0;

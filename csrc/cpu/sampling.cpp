@@ -24,8 +24,7 @@ int64_t row_argmax(const float* row, int64_t V) {
 }  // namespace
 
 void greedy_tokens(const float* logits, int64_t B, int64_t V, int64_t* tokens, int num_threads) {
-  const int parts = B * V >= (1 << 20) ? num_threads : 1;  // small batches: waking a worker costs more
-  parallel_ranges(B, parts, [&](int64_t b0, int64_t b1) {
+  parallel_ranges(B, threads_for(B * V, num_threads, 1 << 20), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) tokens[b] = row_argmax(logits + b * V, V);
   });
 }
