@@ -25,7 +25,8 @@ class LLM:
     eplb_config["window_size"] steps (see engine/eplb.py for all keys); eplb_plan: a plan JSON from
     `python -m eplb.replan` to start with. Expert load is recorded for every MoE model.
     speculative: {"method": "mtp" | "ngram" | "replay", "num_draft_tokens": k, "verify": "greedy" | "all"}
-    (see spec/speculator.py); lossless: outputs are distributed exactly as without it.
+    (see spec_decode/speculator.py); lossless: the tokens are those decoding without it gives (a seeded
+    request's included).
     data_parallel_size: k > 1 runs k DP ranks as Ray actors (attention per rank, routed experts split
     over ranks); ray_address joins a Ray cluster instead of starting one on 127.0.0.1; dp_config: the
     DPConfig keys in engine/dp.py (vote intervals, resources per rank, timeouts).

@@ -274,8 +274,8 @@ def _choose(times: dict[str, float]) -> str:
     another path if faster, or torch-bf16 unless the pick beats it by TORCH_MARGIN."""
     ours = [p for p in times if p.startswith("cpu-")]
     if ours:
-        fastest = min(times[p] for p in ours)
-        keep = next(p for p in ours if times[p] <= ISA_MARGIN * fastest)
+        best_ours = min(times[p] for p in ours)
+        keep = next(p for p in ours if times[p] <= ISA_MARGIN * best_ours)
         times = {p: t for p, t in times.items() if p == keep or not p.startswith("cpu-")}
     best = min(times, key=times.get)
     if "torch-bf16" in times and times[best] > TORCH_MARGIN * times["torch-bf16"]:

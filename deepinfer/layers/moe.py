@@ -66,17 +66,12 @@ class FusedMoE(nn.Module):
             start = end
         return out
 
-
     def _forward_bf16(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """forward's grouping, experts and weighted sum in one C++ call -> [T, H] fp32; the experts the GEMM
         plan sends to torch's bf16 GEMM are added after it."""
         limit = float("inf") if self.limit is None else self.limit
         counts = torch.bincount(topk_ids.flatten(), minlength=self.num_experts).tolist()
-        kernel, via_torch = PLAN.expert_paths(self.gate_up_proj, self.down_proj, counts)
-        skip = None
-        if via_torch:
-            skip = torch.zeros(self.num_experts, dtype=torch.bool)
-            skip[via_torch] = True
+        kernel, via_torch, skip = self._plan(counts)
         y = cpu_ops.moe_experts_bf16(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, limit, skip,
                                      isa=kernel[4:], invariant=PLAN.invariant)
         for e in via_torch:
@@ -85,15 +80,21 @@ class FusedMoE(nn.Module):
             y.index_add_(0, token, rows * topk_weights[token, slot, None].float())
         return y
 
-    def _run_bf16(self, grouped: torch.Tensor, counts: torch.Tensor, limit: float) -> torch.Tensor:
-        """Our grouped kernel runs every expert except those the GEMM plan sends to torch's bf16 GEMM
-        (on CPUs where it wins at their row counts)."""
-        count_list = counts.tolist()
-        kernel, via_torch = PLAN.expert_paths(self.gate_up_proj, self.down_proj, count_list)
+    def _plan(self, counts: list[int]) -> tuple[str, list[int], torch.Tensor | None]:
+        """counts [E] rows per expert -> (our kernel's path, the experts the GEMM plan sends to torch's bf16
+        GEMM, those experts as a skip mask [E] for our kernel or None)."""
+        kernel, via_torch = PLAN.expert_paths(self.gate_up_proj, self.down_proj, counts)
         skip = None
         if via_torch:
             skip = torch.zeros(self.num_experts, dtype=torch.bool)
             skip[via_torch] = True
+        return kernel, via_torch, skip
+
+    def _run_bf16(self, grouped: torch.Tensor, counts: torch.Tensor, limit: float) -> torch.Tensor:
+        """Our grouped kernel runs every expert except those the GEMM plan sends to torch's bf16 GEMM
+        (on CPUs where it wins at their row counts)."""
+        count_list = counts.tolist()
+        kernel, via_torch, skip = self._plan(count_list)
         out = grouped_experts_bf16(grouped, counts, self.gate_up_proj, self.down_proj, limit, skip=skip,
                                    isa=kernel[4:], invariant=PLAN.invariant)
         starts = [0] + list(itertools.accumulate(count_list))

@@ -69,7 +69,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """A row's draw depends only on (its sequence's seed, tokens generated so far), so a sequence
         reproduces whatever else shares the batch, and speculative verification can recompute it
-        (spec/verify.py). Greedy rows: argmax."""
+        (spec_decode/verify.py). Greedy rows: argmax."""
         seeds = torch.tensor(batch.seeds, dtype=torch.int64)
         return self.sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, seeds, batch.offsets)
 

@@ -40,10 +40,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         qkv = self.qkv_proj(x)
-        if cpu_ops.fast_path(qkv, self.k_cache, self.v_cache, *self._norm_weights()):
-            q = cpu_ops.qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                                           *self._norm_weights(), self._norm_eps(), self.rotary.cos, self.rotary.sin,
-                                           meta.positions, self.k_cache, self.v_cache, meta.slot_mapping)
+        norms = self._norm_weights()
+        if cpu_ops.fast_path(qkv, self.k_cache, self.v_cache, *norms):
+            q = cpu_ops.qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norms,
+                                           self._norm_eps(), self.rotary.cos, self.rotary.sin, meta.positions,
+                                           self.k_cache, self.v_cache, meta.slot_mapping)
         else:
             q = self._inputs_torch(qkv, meta)
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim ** -0.5)

@@ -4,8 +4,8 @@
     observe(seq_ids, verified, accepted)   per sequence, drafts verified / accepted in the last step
 
 and optionally after_step(engine, batch, results), called after every engine step (the MTP drafter
-drafts there, from that step's hidden states). Every drafter proposes deterministically (a point mass),
-which is what verification assumes when it rejection-samples."""
+drafts there, from that step's hidden states). Every drafter proposes deterministically (a point mass):
+verification accepts a draft exactly when it equals the sampler's own draw at its position (verify.py)."""
 from functools import cached_property
 
 import torch
