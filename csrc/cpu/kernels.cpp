@@ -84,11 +84,16 @@ void bind_cpu_kernels(py::module_& m) {
          uintptr_t w13, uintptr_t w2, uintptr_t y, int64_t H, int64_t I, float limit, int isa, bool invariant,
          int threads) {
         GemmMode mode = gemm_mode(isa, invariant);
-        py::gil_scoped_release release;
-        moe_experts_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const int64_t*>(ids),
-                         reinterpret_cast<const void*>(weights), bf16, T, k, E, reinterpret_cast<const uint8_t*>(skip),
-                         reinterpret_cast<const uint16_t*>(w13), reinterpret_cast<const uint16_t*>(w2),
-                         reinterpret_cast<float*>(y), H, I, limit, mode, threads);
+        bool ok;
+        {
+          py::gil_scoped_release release;
+          ok = moe_experts_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const int64_t*>(ids),
+                                reinterpret_cast<const void*>(weights), bf16, T, k, E,
+                                reinterpret_cast<const uint8_t*>(skip), reinterpret_cast<const uint16_t*>(w13),
+                                reinterpret_cast<const uint16_t*>(w2), reinterpret_cast<float*>(y), H, I, limit,
+                                mode, threads);
+        }
+        if (!ok) throw py::value_error("moe_experts_bf16: topk_ids must lie in [0, " + std::to_string(E) + ")");
       },
       "y [T,H] fp32 = sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) over experts without skip[e] (uint8 [E], 0: none)");
   m.def(

@@ -34,10 +34,12 @@ Grouping group_by_expert(const int64_t* ids, int64_t pairs, int64_t E) {
 
 }  // namespace
 
-void moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bool bf16, int64_t T, int64_t k,
+bool moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bool bf16, int64_t T, int64_t k,
                       int64_t E, const uint8_t* skip, const uint16_t* w13, const uint16_t* w2, float* y, int64_t H,
                       int64_t I, float limit, GemmMode mode, int num_threads) {
   const int64_t pairs = T * k;
+  for (int64_t f = 0; f < pairs; ++f)
+    if (ids[f] < 0 || ids[f] >= E) return false;
   const Grouping g = group_by_expert(ids, pairs, E);
   // Not value-initialised: every row is written before it is read (a skipped expert's rows are never read).
   std::unique_ptr<float[]> rows(new float[pairs * H]), out(new float[pairs * H]);
@@ -62,6 +64,7 @@ void moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bo
       }
     }
   });
+  return true;
 }
 
 }  // namespace deepinfer

@@ -96,8 +96,6 @@ def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
             or weights.shape != ids.shape:
         raise ValueError(f"moe shapes disagree: x {tuple(x.shape)}, topk_ids {tuple(ids.shape)}, topk_weights "
                          f"{tuple(weights.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= e):
-        raise ValueError(f"topk_ids must lie in [0, {e}), got [{int(ids.min())}, {int(ids.max())}]")
     if skip is not None and skip.shape != (e,):
         raise ValueError(f"skip: expected one flag per expert ({e}), got {tuple(skip.shape)}")
     skip8 = None if skip is None else skip.to(torch.uint8).contiguous()
