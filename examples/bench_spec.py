@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-from deepinfer import LLM, SamplingParams, _C
+from deepinfer import LLM, SamplingParams, _C, platform
 from deepinfer.docs import write_section
 from deepinfer.spec_decode import speculator
 from deepinfer.spec_decode.verify import verify_sequence
@@ -192,7 +192,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--only-sampled", action="store_true", help="only part 4 (its own section)")
     args = ap.parse_args()
-    sampled = ("Seeded sampled requests with speculation: a sampled token is the Gumbel-max draw of (the "
+    sampled = (f"CPU: {platform.cpu_flags()}. Seeded sampled requests with speculation: a sampled token is the Gumbel-max draw of (the "
                "sequence's seed, its position) over the target distribution, and a draft is accepted exactly "
                "when it equals that draw (deepinfer/spec_decode/verify.py). Rejection sampling with the same point-mass "
                "drafts accepts a draft with the same probability p(d), so its expected acceptance (computed "
