@@ -8,7 +8,9 @@ from setuptools import find_packages, setup
 DEBUG = os.environ.get("DEEPINFER_DEBUG", "0") == "1"
 # Invariant checks (DI_CHECK) compile in for debug builds only; release keeps the hot path lean.
 macros = [] if DEBUG else [("NDEBUG", "1")]
-flags = ["-O0", "-g"] if DEBUG else ["-O3", "-march=native"]
+# No implicit FMA contraction: a*b + c stays two roundings, as torch's separate mul and add ops compute it
+# (the kernels' own FMAs are explicit intrinsics).
+flags = (["-O0", "-g"] if DEBUG else ["-O3", "-march=native"]) + ["-ffp-contract=off"]
 
 ext = Pybind11Extension(
     "deepinfer._C",

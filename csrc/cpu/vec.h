@@ -21,6 +21,9 @@ struct Avx2 {
   // shares 4 widened weight vectors across 2 rows; larger M shares 3 across 4 rows (12 accumulators +
   // 3 weights + 1 input). The wide path's outer products take 6 weight rows (12 accumulators).
   static constexpr int GEMV_C = 8, SMALL_R = 2, SMALL_C = 4, BIG_R = 4, BIG_C = 3, WIDE_N = 6;
+  // Decode attention's weighted sum (attention_kernel.h): heads sharing each loaded value vector, with 4
+  // vectors of dims each (8 accumulators + 4 values + 1 weight).
+  static constexpr int PV_HEADS = 2;
 
   static reg zero() { return _mm256_setzero_ps(); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
@@ -35,6 +38,7 @@ struct Avx2 {
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static float sum(reg v) { return hsum(v); }
+  static __m256 fold8(reg v) { return v; }  // lanes added down to 8, in a fixed order
 };
 
 }  // namespace deepinfer

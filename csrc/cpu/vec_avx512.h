@@ -16,6 +16,7 @@ struct Avx512 {
   // 32 zmm registers: the big tile shares 6 weight vectors across 4 rows (24 accumulators + 6 + 1),
   // the wide path's outer products take 12 weight rows (12 accumulators of one 16-row group).
   static constexpr int GEMV_C = 8, SMALL_R = 2, SMALL_C = 4, BIG_R = 4, BIG_C = 6, WIDE_N = 12;
+  static constexpr int PV_HEADS = 4;  // 16 accumulators + 4 values + 1 weight
 
   static reg zero() { return _mm512_setzero_ps(); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
@@ -29,9 +30,12 @@ struct Avx512 {
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static __m256 fold8(reg v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
   // Halves added pairwise down to 8 lanes, then the AVX2 order: fixed for any input.
   static float sum(reg v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m256 h = fold8(v);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
