@@ -5,6 +5,7 @@ import logging
 import torch
 
 from deepinfer.formats.cache_spec import CacheSpec
+from deepinfer.memory import huge_page_zeros
 
 logger = logging.getLogger("deepinfer")
 
@@ -21,8 +22,9 @@ class CacheEngine:
                              f"blocks ({state_bytes} bytes) and one KV block ({spec.bytes_per_block} bytes)")
         # Zeroed, not empty: masked-out slots are still read by attention, and stale NaN bytes
         # would poison softmax(.) @ V even with zero weight.
-        self.paged = {n: torch.zeros(self.num_blocks, *t.shape, dtype=t.dtype) for n, t in spec.paged.items()}
-        self.state = {n: torch.zeros(num_state_slots, *t.shape, dtype=t.dtype) for n, t in spec.state.items()}
+        # On huge pages (deepinfer/memory.py): decode attention streams the cache as it streams the weights.
+        self.paged = {n: huge_page_zeros((self.num_blocks, *t.shape), t.dtype) for n, t in spec.paged.items()}
+        self.state = {n: huge_page_zeros((num_state_slots, *t.shape), t.dtype) for n, t in spec.state.items()}
 
     @property
     def allocated_bytes(self) -> int:

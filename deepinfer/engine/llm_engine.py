@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer import _C, platform
+from deepinfer import _C, memory, platform
 from deepinfer.config import EngineConfig, hf_get
 from deepinfer.engine.cache_engine import CacheEngine
 from deepinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -85,6 +85,7 @@ class LLMEngine:
         spec_cfg = SpecConfig.from_dict(config.speculative) if config.speculative else None
         if spec_cfg is not None:
             prepare_model(self.model, spec_cfg)
+        logger.info("weights on huge pages: %.0f MiB", memory.to_huge_pages(self.model) / 2**20)
         gemm_plan.PLAN.invariant = config.batch_invariant
         gemm_plan.PLAN.prepare(self.model, config.dtype, max(config.max_num_batched_tokens, config.max_num_seqs),
                                config.max_num_seqs * (1 + (spec_cfg.num_draft_tokens if spec_cfg else 0)))
