@@ -1,15 +1,18 @@
 // CPU kernels where torch is slow, registered into deepinfer._C. They take raw data pointers
 // (validated by deepinfer/layers/cpu_ops.py, the only caller) and run with the GIL released.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cpu/cpu_features.h"
 #include "cpu/decode_attention.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/hyper_connection.h"
+#include "cpu/moe_block.h"
 #include "cpu/moe.h"
 #include "cpu/norm_rope.h"
 #include "cpu/sampling.h"
@@ -96,6 +99,31 @@ void bind_cpu_kernels(py::module_& m) {
         if (!ok) throw py::value_error("moe_experts_bf16: topk_ids must lie in [0, " + std::to_string(E) + ")");
       },
       "y [T,H] fp32 = sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) over experts without skip[e] (uint8 [E], 0: none)");
+  m.def(
+      "moe_block",
+      [](uintptr_t x, uintptr_t a, uintptr_t out, int64_t T, bool bf16, int64_t H, int64_t I, uintptr_t norm_w,
+         float eps, uintptr_t gate, int64_t num_logical, int64_t top_k, bool renorm, int gate_isa, uintptr_t counts,
+         uintptr_t log2phy, int64_t num_physical, uintptr_t w13, uintptr_t w2, const std::vector<int>& expert_isa,
+         bool invariant, int threads) {
+        MoeBlock b;
+        b.H = H, b.I = I, b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
+        b.gate = reinterpret_cast<const uint16_t*>(gate), b.num_logical = num_logical, b.top_k = top_k;
+        b.renorm = renorm, b.gate_mode = gemm_mode(gate_isa, invariant);
+        b.counts = reinterpret_cast<int64_t*>(counts), b.log2phy = reinterpret_cast<const int64_t*>(log2phy);
+        b.num_physical = num_physical, b.w13 = reinterpret_cast<const uint16_t*>(w13);
+        b.w2 = reinterpret_cast<const uint16_t*>(w2), b.invariant = invariant;
+        for (int isa : expert_isa) gemm_mode(isa, invariant);  // each must run on this CPU
+        if (expert_isa.empty()) throw py::value_error("moe_block: expert_isa is empty");
+        b.expert_isa = expert_isa.data(), b.num_expert_isa = static_cast<int>(expert_isa.size());
+        bool ok;
+        {
+          py::gil_scoped_release release;
+          ok = moe_block(b, reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(a),
+                         reinterpret_cast<void*>(out), T, bf16, threads);
+        }
+        if (!ok) throw py::value_error("moe_block: log2phy maps an expert outside [0, " + std::to_string(num_physical) + ")");
+      },
+      "out [T,H] = x1 + moe(rms_norm(x1)), x1 = x + a: Qwen3-MoE's residual, norm, top-k router and experts");
   m.def(
       "greedy_tokens",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {

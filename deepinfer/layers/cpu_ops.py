@@ -106,6 +106,40 @@ def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return y
 
 
+def moe_block(x: torch.Tensor, a: torch.Tensor, norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_k: int,
+              renorm: bool, w13: torch.Tensor, w2: torch.Tensor, gate_isa: str, expert_isas: list[str],
+              counts: torch.Tensor | None, log2phy: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
+    """Qwen3-MoE's second half-layer: x, a [T, H] (one dtype, fp32/bf16) -> x1 + moe(rms_norm(x1)), x1 = x + a, with
+    the softmax top_k router gate [E_logical, H] bf16 (renormalised when renorm) and experts w13 [E, 2I, H], w2
+    [E, H, I] bf16. counts [E_logical] int64: expert load to add to (or None); log2phy [E_logical] int64: physical
+    slot of each logical expert (None: the identity). gate_isa: the router GEMM's ISA; expert_isas[i]: the
+    grouped kernel's ISA when the busiest expert has 2^i.. rows (keys of GEMM_ISAS). See csrc/cpu/moe_block.h."""
+    _check(x, "x", STREAM_DTYPES, 2)
+    _check(a, "a", x.dtype, 2)
+    _check(norm_w, "norm_w", x.dtype, 1)
+    _check(gate, "gate", torch.bfloat16, 2)
+    _check(w13, "w13", torch.bfloat16, 3)
+    _check(w2, "w2", torch.bfloat16, 3)
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    if a.shape != x.shape or norm_w.shape != (h,) or gate.shape[1] != h or w13.shape[2] != h \
+            or w2.shape != (e, h, two_i // 2) or not 0 < top_k <= gate.shape[0]:
+        raise ValueError(f"moe_block shapes disagree: x {tuple(x.shape)}, a {tuple(a.shape)}, norm_w {tuple(norm_w.shape)}, "
+                         f"gate {tuple(gate.shape)}, top_k {top_k}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    for name, v in (("counts", counts), ("log2phy", log2phy)):
+        if v is not None:
+            _check(v, name, torch.int64, 1)
+            if v.shape != (gate.shape[0],):
+                raise ValueError(f"{name}: expected [{gate.shape[0]}] (one per logical expert), got {tuple(v.shape)}")
+    out = torch.empty_like(x)
+    ptr = lambda v: 0 if v is None else v.data_ptr()  # noqa: E731
+    _C.moe_block(x.data_ptr(), a.data_ptr(), out.data_ptr(), t, x.dtype == torch.bfloat16, h, two_i // 2,
+                 norm_w.data_ptr(), float(eps), gate.data_ptr(), gate.shape[0], top_k, renorm, _isa_id(gate_isa),
+                 ptr(counts), ptr(log2phy), e, w13.data_ptr(), w2.data_ptr(), [_isa_id(i) for i in expert_isas],
+                 invariant, platform.kernel_threads())
+    return out
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] fp32 -> [B] int64: each row's first argmax, or -1 for a row with NaN or inf."""
     _check(logits, "logits", torch.float32, 2)

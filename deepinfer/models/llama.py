@@ -90,7 +90,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta)
+        a = self.self_attn(self.input_layernorm(x), meta)
+        # An MLP may run the whole second half in one call (fused_residual: None where it cannot).
+        fused = getattr(self.mlp, "fused_residual", None)
+        out = fused(x, a, self.post_attention_layernorm) if fused is not None else None
+        if out is not None:
+            return out
+        x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

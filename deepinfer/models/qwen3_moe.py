@@ -5,8 +5,11 @@ import torch
 from torch import nn
 
 from deepinfer.config import hf_get
+from deepinfer.layers import cpu_ops
+from deepinfer.layers.gemm_plan import PLAN, buckets_up_to
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import FusedMoE, RoutedMoE
+from deepinfer.layers.norm import RMSNorm
 from deepinfer.models.llama import MLP, LlamaForCausalLM
 
 
@@ -18,6 +21,42 @@ class SparseMoeBlock(RoutedMoE):
         self.norm_topk_prob = bool(hf_get(cfg, "norm_topk_prob", default=False))
         self.gate = Linear(cfg.hidden_size, num_experts, dtype)
         self.experts.gate_up_proj.shard_sizes = [cfg.moe_intermediate_size] * 2
+
+    def fused_residual(self, x: torch.Tensor, a: torch.Tensor, norm: RMSNorm) -> torch.Tensor | None:
+        """x1 + self(norm(x1)) with x1 = x + a (the decoder layer's second half) in one C++ call
+        (cpu_ops.moe_block); None where that cannot run these inputs."""
+        plan = self._fused_plan(x, a, norm)
+        if plan is None:
+            return None
+        counts = log2phy = None
+        if self.eplb is not None:
+            recorder = self.eplb.recorder
+            counts = recorder.buf[recorder.pos, self.moe_index]
+            log2phy = self.eplb.placement.log2phy[self.moe_index, :, 0].contiguous()
+        return cpu_ops.moe_block(x, a, norm.weight, norm.eps, self.gate.weight, self.top_k, self.norm_topk_prob,
+                                 self.experts.gate_up_proj, self.experts.down_proj, *plan, counts, log2phy,
+                                 PLAN.invariant)
+
+    def _fused_plan(self, x: torch.Tensor, a: torch.Tensor, norm: RMSNorm) -> tuple[str, list[str]] | None:
+        """(router ISA, grouped-kernel ISA per busiest-expert row bucket) when the C++ half-layer can run these
+        inputs: CPU bf16 weights, no expert parallelism, one physical slot per expert, and a GEMM plan that keeps
+        every expert row count on our kernels. None otherwise. The router GEMM (E x H, tiny) runs on our fastest
+        kernel where the plan timed torch's faster: its call overhead, which that timing saw, is gone here."""
+        experts = self.experts
+        if self.ep is not None or experts.gate_up_proj.dtype != torch.bfloat16 or experts.limit is not None \
+                or not cpu_ops.fast_path(x, a, norm.weight) or x.dim() != 2 \
+                or (self.eplb is not None and not self.eplb.placement.single[self.moe_index]):
+            return None
+        rows = x.shape[0]
+        gate = PLAN.linear_path(x.dtype, rows, self.gate.weight)
+        isas = []
+        for b in buckets_up_to(rows):
+            kernel, via_torch = PLAN.expert_paths(experts.gate_up_proj, experts.down_proj, [b])
+            if via_torch:
+                return None
+            isas.append(kernel[4:])
+        gate = gate if gate.startswith("cpu-") else PLAN.cpu_paths(x.dtype)[0]
+        return gate[4:], isas
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> topk_ids [T, k], topk_weights [T, k] (softmax in fp32, as transformers)."""

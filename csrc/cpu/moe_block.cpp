@@ -1,0 +1,92 @@
+#include "cpu/moe_block.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "cpu/bf16.h"
+#include "cpu/moe.h"
+#include "cpu/norm_rope.h"
+
+namespace deepinfer {
+namespace {
+
+// out[i] = round(x[i] + y[i]) for n values of the dtype (y fp32 rounded to the dtype first when y32).
+void add_rounded(const void* x, const void* y, bool y32, void* out, int64_t n, bool bf16) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 yv = y32 ? round_to8(_mm256_loadu_ps(static_cast<const float*>(y) + i), bf16) : load8(y, i, bf16);
+    store8(out, i, _mm256_add_ps(load8(x, i, bf16), yv), bf16);
+  }
+  for (; i < n; ++i) {
+    float xv, yv;
+    load_row(x, i, 1, bf16, &xv);
+    if (y32) yv = round_to(static_cast<const float*>(y)[i], bf16);
+    else load_row(y, i, 1, bf16, &yv);
+    const float s = xv + yv;
+    store_row(out, i, 1, bf16, &s);
+  }
+}
+
+// One token's router: logits [E] (fp32 values of the dtype) -> the top_k experts of softmax(logits) by
+// probability (ties: lower id), their weights renormalised to sum 1 when renorm, rounded to the dtype.
+void route_token(const float* logits, int64_t E, int64_t top_k, bool renorm, bool bf16, int64_t* ids, float* weights) {
+  const float m = *std::max_element(logits, logits + E);
+  std::vector<float> p(E);
+  float sum = 0.0f;
+  for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logits[e] - m));
+  const float inv = 1.0f / sum;  // torch's softmax multiplies by the reciprocal of the sum
+  for (float& v : p) v *= inv;
+  std::vector<int64_t> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                    [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  float total = 0.0f;
+  for (int64_t j = 0; j < top_k; ++j) total += p[order[j]];
+  for (int64_t j = 0; j < top_k; ++j) {
+    ids[j] = order[j];
+    weights[j] = round_to(renorm ? p[order[j]] / total : p[order[j]], bf16);
+  }
+}
+
+// The grouped kernel's ISA for these physical ids: the one planned for the busiest expert's row count.
+GemmMode expert_mode(const MoeBlock& b, const std::vector<int64_t>& ids) {
+  std::vector<int64_t> rows(b.num_physical, 0);
+  for (int64_t id : ids) ++rows[id];
+  const int64_t busiest = *std::max_element(rows.begin(), rows.end());
+  int level = 0;
+  while (level + 1 < b.num_expert_isa && (int64_t{2} << level) <= busiest) ++level;
+  return GemmMode{static_cast<Isa>(b.expert_isa[level]), b.invariant};
+}
+
+}  // namespace
+
+bool moe_block(const MoeBlock& b, const void* x, const void* a, void* out, int64_t T, bool bf16, int num_threads) {
+  const int64_t H = b.H, E = b.num_logical, k = b.top_k, elem = bf16 ? 2 : 4;
+  add_rounded(x, a, false, out, T * H, bf16);  // out holds x1 until the last step
+  std::vector<char> h(T * H * elem), logits(T * E * elem);
+  rms_norm(out, H, b.norm_w, h.data(), T, H, b.eps, bf16, num_threads);
+  linear_bf16(h.data(), b.gate, nullptr, logits.data(), bf16, T, H, E, b.gate_mode, num_threads);
+  std::vector<int64_t> ids(T * k);
+  std::vector<float> weights(T * k), row(E);
+  for (int64_t t = 0; t < T; ++t) {
+    load_row(logits.data(), t * E, E, bf16, row.data());
+    route_token(row.data(), E, k, b.renorm, bf16, &ids[t * k], &weights[t * k]);
+  }
+  for (int64_t& id : ids) {
+    if (b.counts) ++b.counts[id];
+    if (b.log2phy) id = b.log2phy[id];
+    if (id < 0 || id >= b.num_physical) return false;
+  }
+  std::vector<char> w(T * k * elem);
+  store_row(w.data(), 0, T * k, bf16, weights.data());
+  std::vector<float> y(T * H);
+  if (!moe_experts_bf16(h.data(), ids.data(), w.data(), bf16, T, k, b.num_physical, nullptr, b.w13, b.w2, y.data(), H,
+                        b.I, INFINITY, expert_mode(b, ids), num_threads))
+    return false;
+  add_rounded(out, y.data(), true, out, T * H, bf16);
+  return true;
+}
+
+}  // namespace deepinfer

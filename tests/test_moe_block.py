@@ -1,0 +1,105 @@
+"""The fused Qwen3-MoE half-layer (cpu_ops.moe_block, SparseMoeBlock.fused_residual) against the torch
+modules it replaces: residual add, RMSNorm, softmax top-k router, EPLB counting and mapping, experts."""
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.layers import cpu_ops
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.models.qwen3_moe import SparseMoeBlock
+
+
+def make_block(dtype, seed=0, experts=8, top_k=2, hidden=64, inter=32):
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                         num_experts_per_tok=top_k, norm_topk_prob=True, rms_norm_eps=1e-6)
+    g = torch.Generator().manual_seed(seed)
+    block, norm = SparseMoeBlock(cfg, torch.bfloat16), RMSNorm(hidden, 1e-6).to(dtype)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(block.gate.weight.shape, generator=g))
+        block.experts.gate_up_proj.copy_(torch.randn(block.experts.gate_up_proj.shape, generator=g) * 0.2)
+        block.experts.down_proj.copy_(torch.randn(block.experts.down_proj.shape, generator=g) * 0.2)
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
+    return block, norm
+
+
+def reference(block, norm, x, a):
+    x1 = x + a
+    return x1 + block(norm(x1))
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_fused_half_layer_matches_the_torch_modules(t):
+    block, norm = make_block(torch.bfloat16)
+    g = torch.Generator().manual_seed(t)
+    x, a = (torch.randn(t, 64, generator=g).bfloat16() for _ in range(2))
+    fused = block.fused_residual(x, a, norm)
+    assert fused is not None and fused.dtype == torch.bfloat16 and fused.shape == x.shape
+    ref = reference(block, norm, x, a)
+    # Same routing and roundings; only exp inside the softmax is another implementation, which can move a
+    # routing weight's last bit.
+    torch.testing.assert_close(fused, ref, rtol=8e-3, atol=8e-3)
+    assert (fused != ref).float().mean() < 0.01
+
+
+def test_fp32_activations_match_the_torch_modules():
+    """fp32 activations over bf16 weights, on the exact (fp32-input) kernels."""
+    block, norm = make_block(torch.float32)
+    g = torch.Generator().manual_seed(7)
+    x, a = (torch.randn(9, 64, generator=g) for _ in range(2))
+    isa = cpu_ops.EXACT_ISA
+    fused = cpu_ops.moe_block(x, a, norm.weight, norm.eps, block.gate.weight, block.top_k, True,
+                              block.experts.gate_up_proj, block.experts.down_proj, isa, [isa] * 4, None, None)
+    x1 = x + a
+    h = norm(x1)
+    logits = cpu_ops.linear_bf16(h, block.gate.weight, isa=isa)
+    probs = logits.softmax(-1)
+    weights, ids = probs.topk(block.top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    y = cpu_ops.moe_experts_bf16(h, ids, weights, block.experts.gate_up_proj, block.experts.down_proj, isa=isa)
+    torch.testing.assert_close(fused, x1 + y, rtol=1e-5, atol=1e-5)
+
+
+def test_counts_and_log2phy_follow_eplb_semantics():
+    """Logical ids are counted; experts run on the physical slots log2phy names (a permuted layout gives the
+    same output as the identity)."""
+    block, norm = make_block(torch.bfloat16, seed=3)
+    x, a = (torch.randn(12, 64, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (1, 2))
+    plan = block._fused_plan(x, a, norm)
+    args = (x, a, norm.weight, norm.eps, block.gate.weight, block.top_k, True)
+    w13, w2 = block.experts.gate_up_proj.data, block.experts.down_proj.data
+    counts = torch.zeros(8, dtype=torch.int64)
+    plain = cpu_ops.moe_block(*args, w13, w2, *plan, counts, None)
+    ids, _ = block.route(norm(x + a))
+    assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=8))
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(0))  # physical slot s holds expert perm[s]
+    log2phy = torch.argsort(perm)
+    moved = cpu_ops.moe_block(*args, w13[perm].contiguous(), w2[perm].contiguous(), *plan, None, log2phy)
+    assert torch.equal(moved, plain)
+    with pytest.raises(ValueError, match="log2phy"):
+        cpu_ops.moe_block(*args, w13, w2, *plan, None, log2phy + 8)
+
+
+def test_fused_path_declines_what_it_cannot_run():
+    block, norm = make_block(torch.bfloat16)
+    x = torch.randn(3, 64).bfloat16()
+    assert block.fused_residual(x, x.float(), norm) is None  # mixed dtypes: the torch path handles them
+    block.ep = object()
+    assert block.fused_residual(x, x, norm) is None
+
+
+def test_engine_outputs_and_expert_load_equal_without_fusion(tiny_qwen3_moe, monkeypatch):
+    """bf16 greedy generation and the EPLB recorder's counts through the fused half-layers equal the torch path's."""
+    prompts = [[5, 6, 7, 8, 9], [12, 13], [40, 41, 42, 43, 44, 45, 46, 47]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run():
+        llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.eplb.recorder.total()
+
+    fused_tokens, fused_load = run()
+    monkeypatch.setattr(SparseMoeBlock, "fused_residual", lambda self, x, a, norm: None)
+    tokens, load = run()
+    assert fused_tokens == tokens
+    assert torch.equal(fused_load, load)
