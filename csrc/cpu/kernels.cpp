@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/attention_block.h"
 #include "cpu/cpu_features.h"
 #include "cpu/decode_attention.h"
 #include "cpu/gemm_bf16.h"
@@ -99,6 +100,43 @@ void bind_cpu_kernels(py::module_& m) {
         if (!ok) throw py::value_error("moe_experts_bf16: topk_ids must lie in [0, " + std::to_string(E) + ")");
       },
       "y [T,H] fp32 = sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) over experts without skip[e] (uint8 [E], 0: none)");
+  m.def(
+      "attention_block",
+      [](uintptr_t x, uintptr_t out, int64_t T, bool bf16, int64_t hidden, int64_t heads, int64_t kv_heads,
+         int64_t head_dim, uintptr_t norm_w, float eps, uintptr_t qkv, uintptr_t qkv_bias, int qkv_isa,
+         uintptr_t q_norm, uintptr_t k_norm, float qk_eps, uintptr_t cos, uintptr_t sin, int64_t num_positions,
+         uintptr_t positions, uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, int64_t num_blocks,
+         int64_t block_size, uintptr_t block_tables, int64_t max_blocks, uintptr_t context_lens, uintptr_t o,
+         uintptr_t o_bias, int o_isa, float scale, bool invariant, int threads) {
+        AttentionBlock b;
+        b.hidden = hidden, b.heads = heads, b.kv_heads = kv_heads, b.head_dim = head_dim;
+        b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
+        b.qkv = reinterpret_cast<const uint16_t*>(qkv), b.qkv_bias = reinterpret_cast<const uint16_t*>(qkv_bias);
+        b.qkv_mode = gemm_mode(qkv_isa, invariant);
+        b.q_norm = reinterpret_cast<const void*>(q_norm), b.k_norm = reinterpret_cast<const void*>(k_norm);
+        b.qk_eps = qk_eps, b.cos = reinterpret_cast<const float*>(cos), b.sin = reinterpret_cast<const float*>(sin);
+        b.num_positions = num_positions, b.k_cache = reinterpret_cast<void*>(k_cache);
+        b.v_cache = reinterpret_cast<void*>(v_cache), b.num_blocks = num_blocks, b.block_size = block_size;
+        b.o = reinterpret_cast<const uint16_t*>(o), b.o_bias = reinterpret_cast<const uint16_t*>(o_bias);
+        b.o_mode = gemm_mode(o_isa, invariant), b.scale = scale;
+        AttentionBlockStatus status;
+        {
+          py::gil_scoped_release release;
+          status = attention_block(b, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), T,
+                                   reinterpret_cast<const int64_t*>(positions), reinterpret_cast<const int64_t*>(slots),
+                                   reinterpret_cast<const int64_t*>(block_tables), max_blocks,
+                                   reinterpret_cast<const int64_t*>(context_lens), bf16, threads);
+        }
+        if (status == AttentionBlockStatus::BAD_POSITION_OR_SLOT)
+          throw py::index_error("attention_block: a position or slot_mapping entry is out of range");
+        if (status == AttentionBlockStatus::BAD_CONTEXT_LEN)
+          throw py::value_error("attention_block: context_lens must lie in [1, max_blocks * block_size = " +
+                                std::to_string(max_blocks * block_size) + "]");
+        if (status == AttentionBlockStatus::BAD_BLOCK)
+          throw py::value_error("attention_block: block_tables holds a block id outside [0, " +
+                                std::to_string(num_blocks) + ") within a context");
+      },
+      "out [T,hidden] = o_proj(paged attention(q/k norm + rope + KV store(qkv_proj(rms_norm(x))))) for decode");
   m.def(
       "moe_block",
       [](uintptr_t x, uintptr_t a, uintptr_t out, int64_t T, bool bf16, int64_t H, int64_t I, uintptr_t norm_w,

@@ -106,6 +106,57 @@ def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return y
 
 
+def attention_block(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_bias: torch.Tensor | None,
+                    qkv_isa: str, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_eps: float,
+                    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, o_w: torch.Tensor, o_bias: torch.Tensor | None, o_isa: str,
+                    num_heads: int, scale: float, invariant: bool = False) -> torch.Tensor:
+    """A decoder layer's attention half at decode, one query per sequence: x [T, hidden] -> o_proj(attention(
+    rope(qk_norm(qkv_proj(rms_norm(x)))))) [T, hidden], storing each token's key and value at slot_mapping [T].
+    qkv_w [(H + 2 Hkv) D, hidden], o_w [hidden, H D] bf16 (biases bf16 or None) on qkv_isa / o_isa (keys of
+    GEMM_ISAS); q_norm, k_norm [D] or None; cos, sin [positions, D] fp32; k_cache, v_cache [blocks, block_size,
+    Hkv, D]; block_tables [T, max_blocks]; context_lens [T]. Activations, norm weights and caches share one
+    dtype (fp32/bf16). See csrc/cpu/attention_block.h."""
+    _check(x, "x", STREAM_DTYPES, 2)
+    _check(k_cache, "k_cache", x.dtype, 4)
+    _check(v_cache, "v_cache", x.dtype, 4)
+    t, hidden = x.shape
+    blocks, block_size, hkv, d = k_cache.shape
+    h = num_heads
+    for name, w, shape in (("norm_w", norm_w, (hidden,)), ("q_norm", q_norm, (d,)), ("k_norm", k_norm, (d,))):
+        if w is not None:
+            _check(w, name, x.dtype, 1)
+            if w.shape != shape:
+                raise ValueError(f"{name}: expected {shape}, got {tuple(w.shape)}")
+    for name, w, b, shape in (("qkv", qkv_w, qkv_bias, ((h + 2 * hkv) * d, hidden)), ("o", o_w, o_bias, (hidden, h * d))):
+        _check(w, f"{name} weight", torch.bfloat16, 2)
+        if b is not None:
+            _check(b, f"{name} bias", torch.bfloat16, 1)
+        if w.shape != shape or (b is not None and b.shape != shape[:1]):
+            raise ValueError(f"{name}: expected weight {shape}, got {tuple(w.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check(table, name, torch.float32, 2)
+        if table.shape[1] != d:
+            raise ValueError(f"{name}: expected [positions, {d}], got {tuple(table.shape)}")
+    if v_cache.shape != k_cache.shape or h % hkv or d % 2:
+        raise ValueError(f"attention_block: {h} heads over caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    pos, slots, lens = (v.to(torch.int64).contiguous() for v in (positions, slot_mapping, context_lens))
+    tables = block_tables.to(torch.int64).contiguous()
+    if pos.shape != (t,) or slots.shape != (t,) or lens.shape != (t,) or tables.dim() != 2 or tables.shape[0] != t:
+        raise ValueError(f"attention_block: positions {tuple(pos.shape)}, slot_mapping {tuple(slots.shape)}, "
+                         f"context_lens {tuple(lens.shape)}, block_tables {tuple(tables.shape)} for {t} tokens")
+    out = torch.empty_like(x)
+    ptr = lambda v: 0 if v is None else v.data_ptr()  # noqa: E731
+    _C.attention_block(x.data_ptr(), out.data_ptr(), t, x.dtype == torch.bfloat16, hidden, h, hkv, d,
+                       norm_w.data_ptr(), float(eps), qkv_w.data_ptr(), ptr(qkv_bias), _isa_id(qkv_isa),
+                       ptr(q_norm), ptr(k_norm), float(qk_eps), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+                       pos.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks, block_size,
+                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), o_w.data_ptr(), ptr(o_bias), _isa_id(o_isa),
+                       float(scale), invariant, platform.kernel_threads())
+    return out
+
+
 def moe_block(x: torch.Tensor, a: torch.Tensor, norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_k: int,
               renorm: bool, w13: torch.Tensor, w2: torch.Tensor, gate_isa: str, expert_isas: list[str],
               counts: torch.Tensor | None, log2phy: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:

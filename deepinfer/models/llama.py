@@ -11,6 +11,7 @@ from deepinfer.formats.cache_spec import CacheSpec, CacheTensor
 from deepinfer.layers import cpu_ops
 from deepinfer.layers.attention import paged_attention, store_kv
 from deepinfer.layers.attention_metadata import AttentionMetadata
+from deepinfer.layers.gemm_plan import PLAN
 from deepinfer.layers.linear import Linear, linear
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding
@@ -49,6 +50,22 @@ class Attention(nn.Module):
             q = self._inputs_torch(qkv, meta)
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim ** -0.5)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def fused_decode(self, x: torch.Tensor, norm: RMSNorm, meta: AttentionMetadata) -> torch.Tensor | None:
+        """self(norm(x), meta) in one C++ call (cpu_ops.attention_block) for a decode step (one query per
+        sequence) on CPU bf16 weights whose GEMM plan keeps both projections on our kernels; None otherwise."""
+        if meta.max_query_len != 1 or x.dim() != 2 or self.qkv_proj.weight.dtype != torch.bfloat16 \
+                or not cpu_ops.fast_path(x, norm.weight, self.k_cache, self.v_cache, *self._norm_weights()):
+            return None
+        qkv = PLAN.linear_path(x.dtype, x.shape[0], self.qkv_proj.weight)
+        o = PLAN.linear_path(x.dtype, x.shape[0], self.o_proj.weight)
+        if not (qkv.startswith("cpu-") and o.startswith("cpu-")):
+            return None
+        return cpu_ops.attention_block(x, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, qkv[4:],
+                                       *self._norm_weights(), self._norm_eps(), self.rotary.cos, self.rotary.sin,
+                                       meta.positions, meta.slot_mapping, self.k_cache, self.v_cache, meta.block_tables,
+                                       meta.context_lens, self.o_proj.weight, self.o_proj.bias, o[4:], self.num_heads,
+                                       self.head_dim ** -0.5, PLAN.invariant)
 
     def _norm_weights(self) -> tuple:
         """(q_norm, k_norm) weights, or (None, None) without q/k norm."""
@@ -90,7 +107,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), meta)
+        a = self.self_attn.fused_decode(x, self.input_layernorm, meta)
+        if a is None:
+            a = self.self_attn(self.input_layernorm(x), meta)
         # An MLP may run the whole second half in one call (fused_residual: None where it cannot).
         fused = getattr(self.mlp, "fused_residual", None)
         out = fused(x, a, self.post_attention_layernorm) if fused is not None else None

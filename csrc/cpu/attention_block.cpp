@@ -1,0 +1,34 @@
+#include "cpu/attention_block.h"
+
+#include <vector>
+
+#include "cpu/decode_attention.h"
+#include "cpu/norm_rope.h"
+
+namespace deepinfer {
+
+AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, void* out, int64_t T,
+                                     const int64_t* positions, const int64_t* slots, const int64_t* block_tables,
+                                     int64_t max_blocks, const int64_t* context_lens, bool bf16, int num_threads) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (context_lens[t] < 1 || context_lens[t] > max_blocks * b.block_size) return AttentionBlockStatus::BAD_CONTEXT_LEN;
+    for (int64_t i = 0; i < (context_lens[t] + b.block_size - 1) / b.block_size; ++i)
+      if (block_tables[t * max_blocks + i] < 0 || block_tables[t * max_blocks + i] >= b.num_blocks)
+        return AttentionBlockStatus::BAD_BLOCK;
+  }
+  const int64_t D = b.head_dim, q_width = b.heads * D, qkv_width = (b.heads + 2 * b.kv_heads) * D;
+  const size_t elem = bf16 ? 2 : 4;
+  std::vector<char> h(T * b.hidden * elem), qkv(T * qkv_width * elem), q(T * q_width * elem), attn(q.size());
+  rms_norm(x, b.hidden, b.norm_w, h.data(), T, b.hidden, b.eps, bf16, num_threads);
+  linear_bf16(h.data(), b.qkv, b.qkv_bias, qkv.data(), bf16, T, b.hidden, qkv_width, b.qkv_mode, num_threads);
+  if (!qk_norm_rope_store(qkv.data(), qkv_width, T, b.heads, b.kv_heads, D, b.q_norm, b.k_norm, b.qk_eps, b.cos, b.sin,
+                          b.num_positions, positions, b.k_cache, b.v_cache, b.num_blocks * b.block_size, slots,
+                          q.data(), bf16, num_threads))
+    return AttentionBlockStatus::BAD_POSITION_OR_SLOT;
+  paged_decode_attention(q.data(), b.k_cache, b.v_cache, block_tables, context_lens, b.scale, attn.data(), bf16, T,
+                         b.heads, b.kv_heads, D, b.block_size, max_blocks, num_threads);
+  linear_bf16(attn.data(), b.o, b.o_bias, out, bf16, T, q_width, b.hidden, b.o_mode, num_threads);
+  return AttentionBlockStatus::OK;
+}
+
+}  // namespace deepinfer
