@@ -40,10 +40,11 @@ def unfused(w, meta, isa, rotary, dtype):
 
 
 def fused(w, meta, isa, rotary):
-    return cpu_ops.attention_block(w["x"], w["norm_w"], 1e-6, w["qkv_w"], None, isa, w["q_norm"], w["k_norm"], 1e-6,
-                                   rotary.cos, rotary.sin, meta["positions"], meta["slot_mapping"], w["k_cache"],
-                                   w["v_cache"], meta["block_tables"], meta["context_lens"], w["o_w"], None, isa, H,
-                                   D ** -0.5)
+    weights = cpu_ops.attention_block_weights(w["norm_w"], 1e-6, w["qkv_w"], None, isa, w["q_norm"], w["k_norm"], 1e-6,
+                                              rotary.cos, rotary.sin, w["k_cache"], w["v_cache"], w["o_w"], None, isa,
+                                              H, D ** -0.5)
+    return cpu_ops.attention_block(w["x"], meta["positions"], meta["slot_mapping"], meta["block_tables"],
+                                   meta["context_lens"], weights)
 
 
 # Every ISA this CPU runs, for bf16 activations; fp32 activations only on the ISAs that read them exactly.
@@ -74,6 +75,16 @@ def test_bad_metadata_is_refused_before_anything_is_written(field, value, error)
     with pytest.raises(error):
         fused(w, {**meta, field: value}, cpu_ops.EXACT_ISA, rotary)
     assert torch.equal(w["k_cache"], before)
+
+
+def test_inputs_that_disagree_with_the_weights_are_refused():
+    rotary = RotaryEmbedding(D, 64, 10000.0)
+    w, meta = inputs(torch.bfloat16, True)
+    with pytest.raises(ValueError, match="x"):  # fp32 activations for bf16 norms and caches
+        fused({**w, "x": w["x"].float()}, meta, cpu_ops.EXACT_ISA, rotary)
+    with pytest.raises(ValueError, match="qkv"):
+        cpu_ops.attention_block_weights(w["norm_w"], 1e-6, w["qkv_w"][:-1], None, "avx2", None, None, 1e-6, rotary.cos,
+                                        rotary.sin, w["k_cache"], w["v_cache"], w["o_w"], None, "avx2", H, 0.25)
 
 
 def test_padding_block_inside_a_context_is_refused():

@@ -48,8 +48,9 @@ def test_fp32_activations_match_the_torch_modules():
     g = torch.Generator().manual_seed(7)
     x, a = (torch.randn(9, 64, generator=g) for _ in range(2))
     isa = cpu_ops.EXACT_ISA
-    fused = cpu_ops.moe_block(x, a, norm.weight, norm.eps, block.gate.weight, block.top_k, True,
-                              block.experts.gate_up_proj, block.experts.down_proj, isa, [isa] * 4, None, None)
+    weights = cpu_ops.moe_block_weights(norm.weight, norm.eps, block.gate.weight, block.top_k, True,
+                                        block.experts.gate_up_proj, block.experts.down_proj, isa, [isa] * 4)
+    fused = cpu_ops.moe_block(x, a, weights)
     x1 = x + a
     h = norm(x1)
     logits = cpu_ops.linear_bf16(h, block.gate.weight, isa=isa)
@@ -65,19 +66,23 @@ def test_counts_and_log2phy_follow_eplb_semantics():
     same output as the identity)."""
     block, norm = make_block(torch.bfloat16, seed=3)
     x, a = (torch.randn(12, 64, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (1, 2))
-    plan = block._fused_plan(x, a, norm)
-    args = (x, a, norm.weight, norm.eps, block.gate.weight, block.top_k, True)
+    isa = cpu_ops.EXACT_ISA
     w13, w2 = block.experts.gate_up_proj.data, block.experts.down_proj.data
+    weights = lambda w13, w2: cpu_ops.moe_block_weights(norm.weight, norm.eps, block.gate.weight, block.top_k,  # noqa: E731
+                                                        True, w13, w2, isa, [isa] * 5)
     counts = torch.zeros(8, dtype=torch.int64)
-    plain = cpu_ops.moe_block(*args, w13, w2, *plan, counts, None)
+    plain = cpu_ops.moe_block(x, a, weights(w13, w2), counts, None)
     ids, _ = block.route(norm(x + a))
     assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=8))
     perm = torch.randperm(8, generator=torch.Generator().manual_seed(0))  # physical slot s holds expert perm[s]
     log2phy = torch.argsort(perm)
-    moved = cpu_ops.moe_block(*args, w13[perm].contiguous(), w2[perm].contiguous(), *plan, None, log2phy)
+    w13p, w2p = w13[perm].contiguous(), w2[perm].contiguous()
+    moved = cpu_ops.moe_block(x, a, weights(w13p, w2p), None, log2phy)
     assert torch.equal(moved, plain)
     with pytest.raises(ValueError, match="log2phy"):
-        cpu_ops.moe_block(*args, w13, w2, *plan, None, log2phy + 8)
+        cpu_ops.moe_block(x, a, weights(w13, w2), None, log2phy + 8)
+    with pytest.raises(ValueError, match="counts"):
+        cpu_ops.moe_block(x, a, weights(w13, w2), torch.zeros(7, dtype=torch.int64), None)
 
 
 def test_fused_path_declines_what_it_cannot_run():

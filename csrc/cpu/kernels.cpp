@@ -102,12 +102,12 @@ void bind_cpu_kernels(py::module_& m) {
       "y [T,H] fp32 = sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) over experts without skip[e] (uint8 [E], 0: none)");
   m.def(
       "attention_block",
-      [](uintptr_t x, uintptr_t out, int64_t T, bool bf16, int64_t hidden, int64_t heads, int64_t kv_heads,
-         int64_t head_dim, uintptr_t norm_w, float eps, uintptr_t qkv, uintptr_t qkv_bias, int qkv_isa,
-         uintptr_t q_norm, uintptr_t k_norm, float qk_eps, uintptr_t cos, uintptr_t sin, int64_t num_positions,
-         uintptr_t positions, uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, int64_t num_blocks,
-         int64_t block_size, uintptr_t block_tables, int64_t max_blocks, uintptr_t context_lens, uintptr_t o,
-         uintptr_t o_bias, int o_isa, float scale, bool invariant, int threads) {
+      [](uintptr_t x, uintptr_t out, int64_t T, bool bf16, uintptr_t positions, uintptr_t slots,
+         uintptr_t block_tables, int64_t max_blocks, uintptr_t context_lens, int threads, int64_t hidden, int64_t heads,
+         int64_t kv_heads, int64_t head_dim, uintptr_t norm_w, float eps, uintptr_t qkv, uintptr_t qkv_bias,
+         int qkv_isa, uintptr_t q_norm, uintptr_t k_norm, float qk_eps, uintptr_t cos, uintptr_t sin,
+         int64_t num_positions, uintptr_t k_cache, uintptr_t v_cache, int64_t num_blocks, int64_t block_size,
+         uintptr_t o, uintptr_t o_bias, int o_isa, float scale, bool invariant) {
         AttentionBlock b;
         b.hidden = hidden, b.heads = heads, b.kv_heads = kv_heads, b.head_dim = head_dim;
         b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
@@ -139,10 +139,10 @@ void bind_cpu_kernels(py::module_& m) {
       "out [T,hidden] = o_proj(paged attention(q/k norm + rope + KV store(qkv_proj(rms_norm(x))))) for decode");
   m.def(
       "moe_block",
-      [](uintptr_t x, uintptr_t a, uintptr_t out, int64_t T, bool bf16, int64_t H, int64_t I, uintptr_t norm_w,
-         float eps, uintptr_t gate, int64_t num_logical, int64_t top_k, bool renorm, int gate_isa, uintptr_t counts,
-         uintptr_t log2phy, int64_t num_physical, uintptr_t w13, uintptr_t w2, const std::vector<int>& expert_isa,
-         bool invariant, int threads) {
+      [](uintptr_t x, uintptr_t a, uintptr_t out, int64_t T, bool bf16, uintptr_t counts, uintptr_t log2phy,
+         int threads, int64_t H, int64_t I, uintptr_t norm_w, float eps, uintptr_t gate, int64_t num_logical,
+         int64_t top_k, bool renorm, int gate_isa, int64_t num_physical, uintptr_t w13, uintptr_t w2,
+         const std::vector<int>& expert_isa, bool invariant) {
         MoeBlock b;
         b.H = H, b.I = I, b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
         b.gate = reinterpret_cast<const uint16_t*>(gate), b.num_logical = num_logical, b.top_k = top_k;

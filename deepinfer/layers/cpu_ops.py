@@ -106,27 +106,24 @@ def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return y
 
 
-def attention_block(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_bias: torch.Tensor | None,
-                    qkv_isa: str, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_eps: float,
-                    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, o_w: torch.Tensor, o_bias: torch.Tensor | None, o_isa: str,
-                    num_heads: int, scale: float, invariant: bool = False) -> torch.Tensor:
-    """A decoder layer's attention half at decode, one query per sequence: x [T, hidden] -> o_proj(attention(
-    rope(qk_norm(qkv_proj(rms_norm(x)))))) [T, hidden], storing each token's key and value at slot_mapping [T].
-    qkv_w [(H + 2 Hkv) D, hidden], o_w [hidden, H D] bf16 (biases bf16 or None) on qkv_isa / o_isa (keys of
-    GEMM_ISAS); q_norm, k_norm [D] or None; cos, sin [positions, D] fp32; k_cache, v_cache [blocks, block_size,
-    Hkv, D]; block_tables [T, max_blocks]; context_lens [T]. Activations, norm weights and caches share one
-    dtype (fp32/bf16). See csrc/cpu/attention_block.h."""
-    _check(x, "x", STREAM_DTYPES, 2)
-    _check(k_cache, "k_cache", x.dtype, 4)
-    _check(v_cache, "v_cache", x.dtype, 4)
-    t, hidden = x.shape
+def attention_block_weights(norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_bias: torch.Tensor | None,
+                            qkv_isa: str, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_eps: float,
+                            cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            o_w: torch.Tensor, o_bias: torch.Tensor | None, o_isa: str, num_heads: int, scale: float,
+                            invariant: bool = False) -> tuple:
+    """Checks a decoder layer's attention weights once and returns them as attention_block's `weights`: norm_w
+    [hidden]; qkv_w [(H + 2 Hkv) D, hidden], o_w [hidden, H D] bf16 (biases bf16 or None) on qkv_isa / o_isa
+    (keys of GEMM_ISAS); q_norm, k_norm [D] or None; cos, sin [positions, D] fp32; k_cache, v_cache [blocks,
+    block_size, Hkv, D]. Norm weights and caches share the activations' dtype (fp32/bf16). The tensors must
+    outlive every call that is given the result."""
+    _check(k_cache, "k_cache", STREAM_DTYPES, 4)
+    _check(v_cache, "v_cache", k_cache.dtype, 4)
+    dtype = k_cache.dtype
     blocks, block_size, hkv, d = k_cache.shape
-    h = num_heads
+    h, hidden = num_heads, norm_w.shape[0]
     for name, w, shape in (("norm_w", norm_w, (hidden,)), ("q_norm", q_norm, (d,)), ("k_norm", k_norm, (d,))):
         if w is not None:
-            _check(w, name, x.dtype, 1)
+            _check(w, name, dtype, 1)
             if w.shape != shape:
                 raise ValueError(f"{name}: expected {shape}, got {tuple(w.shape)}")
     for name, w, b, shape in (("qkv", qkv_w, qkv_bias, ((h + 2 * hkv) * d, hidden)), ("o", o_w, o_bias, (hidden, h * d))):
@@ -141,53 +138,76 @@ def attention_block(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: to
             raise ValueError(f"{name}: expected [positions, {d}], got {tuple(table.shape)}")
     if v_cache.shape != k_cache.shape or h % hkv or d % 2:
         raise ValueError(f"attention_block: {h} heads over caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    ptr = lambda v: 0 if v is None else v.data_ptr()  # noqa: E731
+    return dtype, hidden, (hidden, h, hkv, d, norm_w.data_ptr(), float(eps), qkv_w.data_ptr(), ptr(qkv_bias),
+                           _isa_id(qkv_isa), ptr(q_norm), ptr(k_norm), float(qk_eps), cos.data_ptr(), sin.data_ptr(),
+                           cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), blocks, block_size, o_w.data_ptr(),
+                           ptr(o_bias), _isa_id(o_isa), float(scale), invariant)
+
+
+def attention_block(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, weights: tuple) -> torch.Tensor:
+    """A decoder layer's attention half at decode, one query per sequence: x [T, hidden] -> o_proj(attention(
+    rope(qk_norm(qkv_proj(rms_norm(x)))))) [T, hidden], storing each token's key and value at slot_mapping [T];
+    block_tables [T, max_blocks], context_lens [T], positions [T]. weights: attention_block_weights(...). See
+    csrc/cpu/attention_block.h."""
+    dtype, hidden, static = weights
+    _check(x, "x", dtype, 2)
+    t = x.shape[0]
     pos, slots, lens = (v.to(torch.int64).contiguous() for v in (positions, slot_mapping, context_lens))
     tables = block_tables.to(torch.int64).contiguous()
-    if pos.shape != (t,) or slots.shape != (t,) or lens.shape != (t,) or tables.dim() != 2 or tables.shape[0] != t:
-        raise ValueError(f"attention_block: positions {tuple(pos.shape)}, slot_mapping {tuple(slots.shape)}, "
-                         f"context_lens {tuple(lens.shape)}, block_tables {tuple(tables.shape)} for {t} tokens")
+    if x.shape[1] != hidden or pos.shape != (t,) or slots.shape != (t,) or lens.shape != (t,) or tables.dim() != 2 \
+            or tables.shape[0] != t:
+        raise ValueError(f"attention_block: x {tuple(x.shape)} (hidden {hidden}), positions {tuple(pos.shape)}, "
+                         f"slot_mapping {tuple(slots.shape)}, context_lens {tuple(lens.shape)}, "
+                         f"block_tables {tuple(tables.shape)}")
     out = torch.empty_like(x)
-    ptr = lambda v: 0 if v is None else v.data_ptr()  # noqa: E731
-    _C.attention_block(x.data_ptr(), out.data_ptr(), t, x.dtype == torch.bfloat16, hidden, h, hkv, d,
-                       norm_w.data_ptr(), float(eps), qkv_w.data_ptr(), ptr(qkv_bias), _isa_id(qkv_isa),
-                       ptr(q_norm), ptr(k_norm), float(qk_eps), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-                       pos.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks, block_size,
-                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), o_w.data_ptr(), ptr(o_bias), _isa_id(o_isa),
-                       float(scale), invariant, platform.kernel_threads())
+    _C.attention_block(x.data_ptr(), out.data_ptr(), t, dtype == torch.bfloat16, pos.data_ptr(), slots.data_ptr(),
+                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), platform.kernel_threads(), *static)
     return out
 
 
-def moe_block(x: torch.Tensor, a: torch.Tensor, norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_k: int,
-              renorm: bool, w13: torch.Tensor, w2: torch.Tensor, gate_isa: str, expert_isas: list[str],
-              counts: torch.Tensor | None, log2phy: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
-    """Qwen3-MoE's second half-layer: x, a [T, H] (one dtype, fp32/bf16) -> x1 + moe(rms_norm(x1)), x1 = x + a, with
-    the softmax top_k router gate [E_logical, H] bf16 (renormalised when renorm) and experts w13 [E, 2I, H], w2
-    [E, H, I] bf16. counts [E_logical] int64: expert load to add to (or None); log2phy [E_logical] int64: physical
-    slot of each logical expert (None: the identity). gate_isa: the router GEMM's ISA; expert_isas[i]: the
-    grouped kernel's ISA when the busiest expert has 2^i.. rows (keys of GEMM_ISAS). See csrc/cpu/moe_block.h."""
-    _check(x, "x", STREAM_DTYPES, 2)
-    _check(a, "a", x.dtype, 2)
-    _check(norm_w, "norm_w", x.dtype, 1)
+def moe_block_weights(norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_k: int, renorm: bool,
+                      w13: torch.Tensor, w2: torch.Tensor, gate_isa: str, expert_isas: list[str],
+                      invariant: bool = False) -> tuple:
+    """Checks a Qwen3-MoE layer's second-half weights once and returns them as moe_block's `weights`: norm_w [H]
+    (the activations' dtype, fp32/bf16); the softmax top_k router gate [E_logical, H] bf16 (renormalised when
+    renorm) on gate_isa; experts w13 [E, 2I, H], w2 [E, H, I] bf16; expert_isas[i]: the grouped kernel's ISA
+    when the busiest expert has 2^i.. rows (ISAs: keys of GEMM_ISAS). The tensors must outlive the result's use."""
+    _check(norm_w, "norm_w", STREAM_DTYPES, 1)
     _check(gate, "gate", torch.bfloat16, 2)
     _check(w13, "w13", torch.bfloat16, 3)
     _check(w2, "w2", torch.bfloat16, 3)
-    t, h = x.shape
+    h = norm_w.shape[0]
     e, two_i, _ = w13.shape
-    if a.shape != x.shape or norm_w.shape != (h,) or gate.shape[1] != h or w13.shape[2] != h \
-            or w2.shape != (e, h, two_i // 2) or not 0 < top_k <= gate.shape[0]:
-        raise ValueError(f"moe_block shapes disagree: x {tuple(x.shape)}, a {tuple(a.shape)}, norm_w {tuple(norm_w.shape)}, "
-                         f"gate {tuple(gate.shape)}, top_k {top_k}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if gate.shape[1] != h or w13.shape[2] != h or w2.shape != (e, h, two_i // 2) or not 0 < top_k <= gate.shape[0] \
+            or not expert_isas:
+        raise ValueError(f"moe_block shapes disagree: norm_w {tuple(norm_w.shape)}, gate {tuple(gate.shape)}, top_k "
+                         f"{top_k}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, {len(expert_isas)} expert ISAs")
+    return norm_w.dtype, h, gate.shape[0], (h, two_i // 2, norm_w.data_ptr(), float(eps), gate.data_ptr(), gate.shape[0],
+                                            top_k, renorm, _isa_id(gate_isa), e, w13.data_ptr(), w2.data_ptr(),
+                                            [_isa_id(i) for i in expert_isas], invariant)
+
+
+def moe_block(x: torch.Tensor, a: torch.Tensor, weights: tuple, counts: torch.Tensor | None = None,
+              log2phy: torch.Tensor | None = None) -> torch.Tensor:
+    """Qwen3-MoE's second half-layer: x, a [T, H] -> x1 + moe(rms_norm(x1)), x1 = x + a. weights:
+    moe_block_weights(...). counts [E_logical] int64: expert load to add to (or None); log2phy [E_logical] int64:
+    physical slot of each logical expert (None: the identity). See csrc/cpu/moe_block.h."""
+    dtype, h, e_logical, static = weights
+    _check(x, "x", dtype, 2)
+    _check(a, "a", dtype, 2)
+    if x.shape[1] != h or a.shape != x.shape:
+        raise ValueError(f"moe_block: x {tuple(x.shape)} and a {tuple(a.shape)} must be [T, {h}]")
     for name, v in (("counts", counts), ("log2phy", log2phy)):
         if v is not None:
             _check(v, name, torch.int64, 1)
-            if v.shape != (gate.shape[0],):
-                raise ValueError(f"{name}: expected [{gate.shape[0]}] (one per logical expert), got {tuple(v.shape)}")
+            if v.shape != (e_logical,):
+                raise ValueError(f"{name}: expected [{e_logical}] (one per logical expert), got {tuple(v.shape)}")
     out = torch.empty_like(x)
-    ptr = lambda v: 0 if v is None else v.data_ptr()  # noqa: E731
-    _C.moe_block(x.data_ptr(), a.data_ptr(), out.data_ptr(), t, x.dtype == torch.bfloat16, h, two_i // 2,
-                 norm_w.data_ptr(), float(eps), gate.data_ptr(), gate.shape[0], top_k, renorm, _isa_id(gate_isa),
-                 ptr(counts), ptr(log2phy), e, w13.data_ptr(), w2.data_ptr(), [_isa_id(i) for i in expert_isas],
-                 invariant, platform.kernel_threads())
+    _C.moe_block(x.data_ptr(), a.data_ptr(), out.data_ptr(), x.shape[0], dtype == torch.bfloat16,
+                 0 if counts is None else counts.data_ptr(), 0 if log2phy is None else log2phy.data_ptr(),
+                 platform.kernel_threads(), *static)
     return out
 
 

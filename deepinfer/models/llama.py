@@ -11,7 +11,7 @@ from deepinfer.formats.cache_spec import CacheSpec, CacheTensor
 from deepinfer.layers import cpu_ops
 from deepinfer.layers.attention import paged_attention, store_kv
 from deepinfer.layers.attention_metadata import AttentionMetadata
-from deepinfer.layers.gemm_plan import PLAN
+from deepinfer.layers.gemm_plan import PLAN, bucket
 from deepinfer.layers.linear import Linear, linear
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding
@@ -37,6 +37,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps).to(dtype) if qk_norm else None
         self.rotary = rotary
         self.k_cache = self.v_cache = None
+        self._fused_weights: dict[tuple, tuple | None] = {}  # fused_decode's checked weights, by inputs
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -54,18 +55,31 @@ class Attention(nn.Module):
     def fused_decode(self, x: torch.Tensor, norm: RMSNorm, meta: AttentionMetadata) -> torch.Tensor | None:
         """self(norm(x), meta) in one C++ call (cpu_ops.attention_block) for a decode step (one query per
         sequence) on CPU bf16 weights whose GEMM plan keeps both projections on our kernels; None otherwise."""
-        if meta.max_query_len != 1 or x.dim() != 2 or self.qkv_proj.weight.dtype != torch.bfloat16 \
+        if meta.max_query_len != 1 or x.dim() != 2:
+            return None
+        key = (x.dtype, x.device.type, bucket(x.shape[0]), PLAN.invariant, norm.weight.data_ptr(),
+               self.qkv_proj.weight.data_ptr(), self.o_proj.weight.data_ptr(),
+               0 if self.k_cache is None else self.k_cache.data_ptr())
+        if key not in self._fused_weights:  # checked once per dtype, row bucket and set of tensors
+            self._fused_weights[key] = self._fused_weights_for(x, norm)
+        weights = self._fused_weights[key]
+        if weights is None:
+            return None
+        return cpu_ops.attention_block(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                       weights)
+
+    def _fused_weights_for(self, x: torch.Tensor, norm: RMSNorm) -> tuple | None:
+        if self.qkv_proj.weight.dtype != torch.bfloat16 \
                 or not cpu_ops.fast_path(x, norm.weight, self.k_cache, self.v_cache, *self._norm_weights()):
             return None
         qkv = PLAN.linear_path(x.dtype, x.shape[0], self.qkv_proj.weight)
         o = PLAN.linear_path(x.dtype, x.shape[0], self.o_proj.weight)
         if not (qkv.startswith("cpu-") and o.startswith("cpu-")):
             return None
-        return cpu_ops.attention_block(x, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, qkv[4:],
-                                       *self._norm_weights(), self._norm_eps(), self.rotary.cos, self.rotary.sin,
-                                       meta.positions, meta.slot_mapping, self.k_cache, self.v_cache, meta.block_tables,
-                                       meta.context_lens, self.o_proj.weight, self.o_proj.bias, o[4:], self.num_heads,
-                                       self.head_dim ** -0.5, PLAN.invariant)
+        return cpu_ops.attention_block_weights(norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, qkv[4:],
+                                               *self._norm_weights(), self._norm_eps(), self.rotary.cos, self.rotary.sin,
+                                               self.k_cache, self.v_cache, self.o_proj.weight, self.o_proj.bias, o[4:],
+                                               self.num_heads, self.head_dim ** -0.5, PLAN.invariant)
 
     def _norm_weights(self) -> tuple:
         """(q_norm, k_norm) weights, or (None, None) without q/k norm."""

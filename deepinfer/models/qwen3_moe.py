@@ -6,7 +6,7 @@ from torch import nn
 
 from deepinfer.config import hf_get
 from deepinfer.layers import cpu_ops
-from deepinfer.layers.gemm_plan import PLAN, buckets_up_to
+from deepinfer.layers.gemm_plan import PLAN, bucket, buckets_up_to
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import FusedMoE, RoutedMoE
 from deepinfer.layers.norm import RMSNorm
@@ -21,42 +21,48 @@ class SparseMoeBlock(RoutedMoE):
         self.norm_topk_prob = bool(hf_get(cfg, "norm_topk_prob", default=False))
         self.gate = Linear(cfg.hidden_size, num_experts, dtype)
         self.experts.gate_up_proj.shard_sizes = [cfg.moe_intermediate_size] * 2
+        self._fused_weights: dict[tuple, tuple | None] = {}  # fused_residual's checked weights, by inputs
 
     def fused_residual(self, x: torch.Tensor, a: torch.Tensor, norm: RMSNorm) -> torch.Tensor | None:
         """x1 + self(norm(x1)) with x1 = x + a (the decoder layer's second half) in one C++ call
-        (cpu_ops.moe_block); None where that cannot run these inputs."""
-        plan = self._fused_plan(x, a, norm)
-        if plan is None:
+        (cpu_ops.moe_block); None where that cannot run these inputs (see _fused_weights_for)."""
+        if self.ep is not None or x.dim() != 2 or a.dtype != x.dtype \
+                or (self.eplb is not None and not self.eplb.placement.single[self.moe_index]):
+            return None
+        experts = self.experts
+        key = (x.dtype, x.device.type, bucket(x.shape[0]), PLAN.invariant, norm.weight.data_ptr(),
+               self.gate.weight.data_ptr(), experts.gate_up_proj.data_ptr(), experts.down_proj.data_ptr())
+        if key not in self._fused_weights:  # checked once per dtype, row bucket and set of tensors
+            self._fused_weights[key] = self._fused_weights_for(x, norm)
+        weights = self._fused_weights[key]
+        if weights is None:
             return None
         counts = log2phy = None
         if self.eplb is not None:
             recorder = self.eplb.recorder
             counts = recorder.buf[recorder.pos, self.moe_index]
-            log2phy = self.eplb.placement.log2phy[self.moe_index, :, 0].contiguous()
-        return cpu_ops.moe_block(x, a, norm.weight, norm.eps, self.gate.weight, self.top_k, self.norm_topk_prob,
-                                 self.experts.gate_up_proj, self.experts.down_proj, *plan, counts, log2phy,
-                                 PLAN.invariant)
+            log2phy = self.eplb.placement.primary[self.moe_index]
+        return cpu_ops.moe_block(x, a, weights, counts, log2phy)
 
-    def _fused_plan(self, x: torch.Tensor, a: torch.Tensor, norm: RMSNorm) -> tuple[str, list[str]] | None:
-        """(router ISA, grouped-kernel ISA per busiest-expert row bucket) when the C++ half-layer can run these
-        inputs: CPU bf16 weights, no expert parallelism, one physical slot per expert, and a GEMM plan that keeps
-        every expert row count on our kernels. None otherwise. The router GEMM (E x H, tiny) runs on our fastest
-        kernel where the plan timed torch's faster: its call overhead, which that timing saw, is gone here."""
+    def _fused_weights_for(self, x: torch.Tensor, norm: RMSNorm) -> tuple | None:
+        """cpu_ops.moe_block_weights where the C++ half-layer can run: CPU bf16 weights, no swiglu limit, and a
+        GEMM plan that keeps every expert row count on our kernels. The router GEMM (E x H, tiny) runs on our
+        fastest kernel where the plan timed torch's faster: its call overhead, which that timing saw, is gone."""
         experts = self.experts
-        if self.ep is not None or experts.gate_up_proj.dtype != torch.bfloat16 or experts.limit is not None \
-                or not cpu_ops.fast_path(x, a, norm.weight) or x.dim() != 2 \
-                or (self.eplb is not None and not self.eplb.placement.single[self.moe_index]):
+        if experts.gate_up_proj.dtype != torch.bfloat16 or experts.limit is not None \
+                or not cpu_ops.fast_path(x, norm.weight):
             return None
         rows = x.shape[0]
-        gate = PLAN.linear_path(x.dtype, rows, self.gate.weight)
         isas = []
         for b in buckets_up_to(rows):
             kernel, via_torch = PLAN.expert_paths(experts.gate_up_proj, experts.down_proj, [b])
             if via_torch:
                 return None
             isas.append(kernel[4:])
+        gate = PLAN.linear_path(x.dtype, rows, self.gate.weight)
         gate = gate if gate.startswith("cpu-") else PLAN.cpu_paths(x.dtype)[0]
-        return gate[4:], isas
+        return cpu_ops.moe_block_weights(norm.weight, norm.eps, self.gate.weight, self.top_k, self.norm_topk_prob,
+                                         experts.gate_up_proj, experts.down_proj, gate[4:], isas, PLAN.invariant)
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> topk_ids [T, k], topk_weights [T, k] (softmax in fp32, as transformers)."""
