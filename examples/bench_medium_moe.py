@@ -89,7 +89,7 @@ def main():
     header = (f"Medium Qwen3-MoE (vocab 32000, hidden 1024, 16 layers, 16/4 heads of 64, 32 experts top-4, "
               f"moe_intermediate 512, bf16), {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per "
               f"step; torch threads = {args.threads}. Floor from rates measured in the same run: read "
-              f"{rates['bandwidth'] / 1e9:.1f} GB/s, fp32 matmul {rates['matmul'] / 1e9:.0f} GFLOP/s "
+              f"{rates['bandwidth'] / 1e9:.1f} GB/s, matmul {rates['matmul'] / 1e9:.0f} GFLOP/s "
               f"(`{platform.cpu_flags()}`).\n\n"
               f"    python examples/bench_medium_moe.py --threads {args.threads}\n\n")
     write_section("Engine core: medium Qwen3-MoE decode", header + table)

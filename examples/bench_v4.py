@@ -9,7 +9,7 @@ Reports
       cache) plus argmax), the two engines alternating for --rounds rounds, medians over all their steps,
   the floor of a decode step on this machine: the bytes of weights it must read (every weight a step uses,
       plus the routed experts its tokens were sent to, counted from the run's own routing) over the read
-      bandwidth, or its FLOPs over the fp32 matmul rate, whichever is larger (rates from
+      bandwidth, or its FLOPs over the matmul rate (fp32 or bf16, the faster), whichever is larger (rates from
       examples/sweep/roofline.py, measured every round, best kept). transformers' time over the floor is the
       most any engine could beat it by on this machine at this thread count,
   prefill tokens/s for one --prefill-token prompt,
@@ -188,7 +188,7 @@ def decode_rounds(ours: LLM, hf, reads: WeightReads, batches: list[int], args, v
 
 def print_floors(rows: list[dict], rates: dict) -> None:
     print(f"\nFloor of a decode step at {rates['bandwidth'] / 1e9:.1f} GB/s read, "
-          f"{rates['matmul'] / 1e9:.1f} GFLOP/s fp32 matmul (best measured in the run)\n")
+          f"{rates['matmul'] / 1e9:.1f} GFLOP/s matmul (best of fp32 and bf16 measured in the run)\n")
     print("| batch | weights read per step | floor ms | deepinfer / floor | transformers / floor |")
     print("|---|---|---|---|---|")
     for r in rows:

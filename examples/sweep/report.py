@@ -31,7 +31,7 @@ def ratios(points: list[dict], ours: str, peer: str) -> str:
 
 def rates_line(roofline: dict) -> str:
     return ", ".join(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: read {r['bandwidth'] / 1e9:.1f} GB/s, "
-                     f"fp32 matmul {r['matmul'] / 1e9:.1f} GFLOP/s" for r in roofline["rates"])
+                     f"matmul (best of fp32, bf16) {r['matmul'] / 1e9:.1f} GFLOP/s" for r in roofline["rates"])
 
 
 def also(outdir: str, text_file: str) -> str:
