@@ -22,7 +22,7 @@ def huge_page_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     numel = 1
     for s in shape:
         numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
     # Anonymous mappings are zero-filled and 4 KiB aligned: one spare huge page lets the data start on a

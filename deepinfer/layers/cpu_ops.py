@@ -22,6 +22,26 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) ->
                          f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
+def _check_vector(t: torch.Tensor | None, name: str, dtype: torch.dtype | tuple, n: int) -> None:
+    """t: a contiguous CPU [n] tensor of dtype, or None (an absent optional one)."""
+    if t is not None:
+        _check(t, name, dtype, 1)
+        if t.shape != (n,):
+            raise ValueError(f"{name}: expected [{n}], got {tuple(t.shape)}")
+
+
+def _check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, d: int) -> None:
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check(table, name, torch.float32, 2)
+        if table.shape[1] != d:
+            raise ValueError(f"{name}: expected [positions, {d}], got {tuple(table.shape)}")
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    """The data pointer the kernels take, 0 for an absent optional tensor."""
+    return 0 if t is None else t.data_ptr()
+
+
 def _isa_id(isa: str | None) -> int:
     if isa is None:
         return GEMM_ISAS[EXACT_ISA]
@@ -41,13 +61,10 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
     if x.dtype not in STREAM_DTYPES:
         raise ValueError(f"input dtype {x.dtype}: the kernel reads {STREAM_DTYPES}")
-    if bias is not None:
-        _check(bias, "bias", torch.bfloat16, 1)
-        if bias.shape[0] != n:
-            raise ValueError(f"bias has {bias.shape[0]} entries, weight has {n} outputs")
+    _check_vector(bias, "bias (one per weight output)", torch.bfloat16, n)
     x2 = x.reshape(-1, k).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    _C.linear_bf16(x2.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+    _C.linear_bf16(x2.data_ptr(), w.data_ptr(), _ptr(bias), out.data_ptr(),
                    x.dtype == torch.bfloat16, x2.shape[0], k, n, _isa_id(isa), invariant, platform.kernel_threads())
     return out.reshape(*x.shape[:-1], n)
 
@@ -73,7 +90,7 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     torch.cumsum(counts, 0, out=offsets[1:])
     skip8 = None if skip is None else skip.to(torch.uint8).contiguous()
     y = torch.empty_like(x)
-    _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, 0 if skip8 is None else skip8.data_ptr(),
+    _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, _ptr(skip8),
                             w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h, two_i // 2, float(limit), _isa_id(isa),
                             invariant, platform.kernel_threads())
     return y
@@ -101,7 +118,7 @@ def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     skip8 = None if skip is None else skip.to(torch.uint8).contiguous()
     y = torch.empty(t, h)
     _C.moe_experts_bf16(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), x.dtype == torch.bfloat16, t, ids.shape[1],
-                        e, 0 if skip8 is None else skip8.data_ptr(), w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h,
+                        e, _ptr(skip8), w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h,
                         two_i // 2, float(limit), _isa_id(isa), invariant, platform.kernel_threads())
     return y
 
@@ -121,28 +138,20 @@ def attention_block_weights(norm_w: torch.Tensor, eps: float, qkv_w: torch.Tenso
     dtype = k_cache.dtype
     blocks, block_size, hkv, d = k_cache.shape
     h, hidden = num_heads, norm_w.shape[0]
-    for name, w, shape in (("norm_w", norm_w, (hidden,)), ("q_norm", q_norm, (d,)), ("k_norm", k_norm, (d,))):
-        if w is not None:
-            _check(w, name, dtype, 1)
-            if w.shape != shape:
-                raise ValueError(f"{name}: expected {shape}, got {tuple(w.shape)}")
+    for name, w, n in (("norm_w", norm_w, hidden), ("q_norm", q_norm, d), ("k_norm", k_norm, d)):
+        _check_vector(w, name, dtype, n)
     for name, w, b, shape in (("qkv", qkv_w, qkv_bias, ((h + 2 * hkv) * d, hidden)), ("o", o_w, o_bias, (hidden, h * d))):
         _check(w, f"{name} weight", torch.bfloat16, 2)
-        if b is not None:
-            _check(b, f"{name} bias", torch.bfloat16, 1)
-        if w.shape != shape or (b is not None and b.shape != shape[:1]):
+        if w.shape != shape:
             raise ValueError(f"{name}: expected weight {shape}, got {tuple(w.shape)}")
-    for name, table in (("cos", cos), ("sin", sin)):
-        _check(table, name, torch.float32, 2)
-        if table.shape[1] != d:
-            raise ValueError(f"{name}: expected [positions, {d}], got {tuple(table.shape)}")
+        _check_vector(b, f"{name} bias", torch.bfloat16, shape[0])
+    _check_rope_tables(cos, sin, d)
     if v_cache.shape != k_cache.shape or h % hkv or d % 2:
         raise ValueError(f"attention_block: {h} heads over caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    ptr = lambda v: 0 if v is None else v.data_ptr()  # noqa: E731
-    return dtype, hidden, (hidden, h, hkv, d, norm_w.data_ptr(), float(eps), qkv_w.data_ptr(), ptr(qkv_bias),
-                           _isa_id(qkv_isa), ptr(q_norm), ptr(k_norm), float(qk_eps), cos.data_ptr(), sin.data_ptr(),
+    return dtype, hidden, (hidden, h, hkv, d, norm_w.data_ptr(), float(eps), qkv_w.data_ptr(), _ptr(qkv_bias),
+                           _isa_id(qkv_isa), _ptr(q_norm), _ptr(k_norm), float(qk_eps), cos.data_ptr(), sin.data_ptr(),
                            cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), blocks, block_size, o_w.data_ptr(),
-                           ptr(o_bias), _isa_id(o_isa), float(scale), invariant)
+                           _ptr(o_bias), _isa_id(o_isa), float(scale), invariant)
 
 
 def attention_block(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -199,14 +208,11 @@ def moe_block(x: torch.Tensor, a: torch.Tensor, weights: tuple, counts: torch.Te
     _check(a, "a", dtype, 2)
     if x.shape[1] != h or a.shape != x.shape:
         raise ValueError(f"moe_block: x {tuple(x.shape)} and a {tuple(a.shape)} must be [T, {h}]")
-    for name, v in (("counts", counts), ("log2phy", log2phy)):
-        if v is not None:
-            _check(v, name, torch.int64, 1)
-            if v.shape != (e_logical,):
-                raise ValueError(f"{name}: expected [{e_logical}] (one per logical expert), got {tuple(v.shape)}")
+    _check_vector(counts, "counts", torch.int64, e_logical)  # one per logical expert
+    _check_vector(log2phy, "log2phy", torch.int64, e_logical)
     out = torch.empty_like(x)
     _C.moe_block(x.data_ptr(), a.data_ptr(), out.data_ptr(), x.shape[0], dtype == torch.bfloat16,
-                 0 if counts is None else counts.data_ptr(), 0 if log2phy is None else log2phy.data_ptr(),
+                 _ptr(counts), _ptr(log2phy),
                  platform.kernel_threads(), *static)
     return out
 
@@ -234,15 +240,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     n = x.shape[-1]
     if not fast_path(x):
         raise ValueError(f"rms_norm: x must be a CPU tensor of {STREAM_DTYPES}, got {x.dtype} on {x.device}")
-    if weight is not None:
-        _check(weight, "weight", x.dtype, 1)
-        if weight.shape != (n,):
-            raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {n}")
+    _check_vector(weight, "rms_norm weight", x.dtype, n)
     x2 = x.reshape(-1, n)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype)
-    _C.rms_norm(x2.data_ptr(), x2.stride(0), 0 if weight is None else weight.data_ptr(), out.data_ptr(),
+    _C.rms_norm(x2.data_ptr(), x2.stride(0), _ptr(weight), out.data_ptr(),
                 x2.shape[0], n, float(eps), x.dtype == torch.bfloat16, platform.kernel_threads())
     return out.view(x.shape)
 
@@ -259,15 +262,9 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     if width != (h + 2 * hkv) * d or d % 2 or not fast_path(qkv):
         raise ValueError(f"qk_norm_rope_store: qkv {qkv.dtype} {tuple(qkv.shape)} on {qkv.device} for {h} + 2 x {hkv} "
                          f"heads of an even {d}, in {STREAM_DTYPES}")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if w is not None:
-            _check(w, name, qkv.dtype, 1)
-            if w.shape != (d,):
-                raise ValueError(f"{name}: expected [{d}], got {tuple(w.shape)}")
-    for name, table in (("cos", cos), ("sin", sin)):
-        _check(table, name, torch.float32, 2)
-        if table.shape[1] != d:
-            raise ValueError(f"{name}: expected [positions, {d}], got {tuple(table.shape)}")
+    _check_vector(q_weight, "q_weight", qkv.dtype, d)
+    _check_vector(k_weight, "k_weight", qkv.dtype, d)
+    _check_rope_tables(cos, sin, d)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check(cache, name, qkv.dtype, 4)
         if cache.shape[2:] != (hkv, d):
@@ -277,8 +274,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     if pos.shape != (t,) or slots.shape != (t,):
         raise ValueError(f"positions {tuple(pos.shape)} and slot_mapping {tuple(slots.shape)} must be [{t}]")
     q = torch.empty(t, h, d, dtype=qkv.dtype)
-    ptr = lambda w: 0 if w is None else w.data_ptr()  # noqa: E731
-    _C.qk_norm_rope_store(qkv.data_ptr(), qkv.stride(0), t, h, hkv, d, ptr(q_weight), ptr(k_weight), float(eps),
+    _C.qk_norm_rope_store(qkv.data_ptr(), qkv.stride(0), t, h, hkv, d, _ptr(q_weight), _ptr(k_weight), float(eps),
                           cos.data_ptr(), sin.data_ptr(), cos.shape[0], pos.data_ptr(), k_cache.data_ptr(),
                           v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1], slots.data_ptr(), q.data_ptr(),
                           qkv.dtype == torch.bfloat16, platform.kernel_threads())
