@@ -79,8 +79,10 @@ def test_counts_and_log2phy_follow_eplb_semantics():
     w13p, w2p = w13[perm].contiguous(), w2[perm].contiguous()
     moved = cpu_ops.moe_block(x, a, weights(w13p, w2p), None, log2phy)
     assert torch.equal(moved, plain)
+    before = counts.clone()
     with pytest.raises(ValueError, match="log2phy"):
-        cpu_ops.moe_block(x, a, weights(w13, w2), None, log2phy + 8)
+        cpu_ops.moe_block(x, a, weights(w13, w2), counts, log2phy + 8)
+    assert torch.equal(counts, before)  # refused before any expert load was counted
     with pytest.raises(ValueError, match="counts"):
         cpu_ops.moe_block(x, a, weights(w13, w2), torch.zeros(7, dtype=torch.int64), None)
 

@@ -111,11 +111,7 @@ void attend_group(const float* q, int64_t G, const float* keys, const float* val
     float* ph = p + h * n;
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) dot8<V>(q + h * D, keys + j * D, D, scale, ph + j);
-    for (; j < n; ++j) {
-      float s = 0.0f;
-      for (int64_t d = 0; d < D; ++d) s += q[h * D + d] * keys[j * D + d];
-      ph[j] = s * scale;
-    }
+    for (; j < n; ++j) ph[j] = dot(q + h * D, keys + j * D, D) * scale;
     if (!softmax_with_sink(ph, n, sinks ? sinks[h] : -INFINITY)) std::fill(ph, ph + n, 0.0f);
   }
   int64_t h = 0;

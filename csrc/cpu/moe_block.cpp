@@ -31,14 +31,14 @@ void add_rounded(const void* x, const void* y, bool y32, void* out, int64_t n, b
 
 // One token's router: logits [E] (fp32 values of the dtype) -> the top_k experts of softmax(logits) by
 // probability (ties: lower id), their weights renormalised to sum 1 when renorm, rounded to the dtype.
-void route_token(const float* logits, int64_t E, int64_t top_k, bool renorm, bool bf16, int64_t* ids, float* weights) {
+// p [E] and order [E]: scratch.
+void route_token(const float* logits, int64_t E, int64_t top_k, bool renorm, bool bf16, int64_t* ids, float* weights,
+                 std::vector<float>& p, std::vector<int64_t>& order) {
   const float m = *std::max_element(logits, logits + E);
-  std::vector<float> p(E);
   float sum = 0.0f;
   for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logits[e] - m));
   const float inv = 1.0f / sum;  // torch's softmax multiplies by the reciprocal of the sum
   for (float& v : p) v *= inv;
-  std::vector<int64_t> order(E);
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
                     [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
@@ -69,15 +69,20 @@ bool moe_block(const MoeBlock& b, const void* x, const void* a, void* out, int64
   rms_norm(out, H, b.norm_w, h.data(), T, H, b.eps, bf16, num_threads);
   linear_bf16(h.data(), b.gate, nullptr, logits.data(), bf16, T, H, E, b.gate_mode, num_threads);
   std::vector<int64_t> ids(T * k);
-  std::vector<float> weights(T * k), row(E);
+  std::vector<float> weights(T * k), row(E), p(E);
+  std::vector<int64_t> order(E);
   for (int64_t t = 0; t < T; ++t) {
     load_row(logits.data(), t * E, E, bf16, row.data());
-    route_token(row.data(), E, k, b.renorm, bf16, &ids[t * k], &weights[t * k]);
+    route_token(row.data(), E, k, b.renorm, bf16, &ids[t * k], &weights[t * k], p, order);
+  }
+  // Every mapped slot is checked before any count is added, so a bad log2phy leaves the counts as they were.
+  for (int64_t id : ids) {
+    const int64_t slot = b.log2phy ? b.log2phy[id] : id;
+    if (slot < 0 || slot >= b.num_physical) return false;
   }
   for (int64_t& id : ids) {
     if (b.counts) ++b.counts[id];
     if (b.log2phy) id = b.log2phy[id];
-    if (id < 0 || id >= b.num_physical) return false;
   }
   std::vector<char> w(T * k * elem);
   store_row(w.data(), 0, T * k, bf16, weights.data());

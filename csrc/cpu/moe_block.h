@@ -30,7 +30,8 @@ struct MoeBlock {
 };
 
 // out [T, H] = x1 + round(moe(rms_norm(x1))) with x1 = round(x + a); x, a, out all fp32 or all bf16 (bf16).
-// Returns false when a mapped expert id lies outside [0, num_physical) (out is then unspecified).
+// Returns false when a mapped expert id lies outside [0, num_physical): counts are then untouched and out is
+// unspecified.
 bool moe_block(const MoeBlock& b, const void* x, const void* a, void* out, int64_t T, bool bf16, int num_threads);
 
 }  // namespace deepinfer
