@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -91,36 +92,46 @@ void swiglu_row(const float* gate_up, float* act, int64_t I, float limit) {
 // One SwiGLU expert on M rows; scratch holds M * 2I floats.
 void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2, float* y, float* scratch,
                         int64_t M, int64_t H, int64_t I, float limit, GemmMode mode) {
-  gemm_bf16(x, w13, scratch, M, H, 2 * I, mode, 1);
+  gemm_bf16(x, false, w13, scratch, M, H, 2 * I, mode, 1);
   // scratch rows are [gate | up]; compact silu(gate) * up into the first I columns of each row
   // (row m's output lands on rows already consumed, so the compaction is safe in place).
   for (int64_t m = 0; m < M; ++m) swiglu_row(scratch + m * 2 * I, scratch + m * I, I, limit);
-  gemm_bf16(scratch, w2, y, M, I, H, mode, 1);
+  gemm_bf16(scratch, false, w2, y, M, I, H, mode, 1);
 }
 
 }  // namespace
 
-void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, GemmMode mode,
-               int num_threads) {
-  // Whole 16-row groups, and a last partial one of at least WIDE_MIN_ROWS rows (its zero padding
-  // costs less than the tiles), go the wide path; a shorter remainder goes through the tiles.
+void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
+               GemmMode mode, int num_threads) {
   const Isa isa = mode.isa == Isa::AMX && M < AMX_MIN_ROWS && !mode.invariant ? Isa::AVX512_BF16 : mode.isa;
   const bool pairs = isa == Isa::AVX512_BF16 || isa == Isa::AMX;  // bf16 products: no wide path, x rounded once
+  const bool tiles = isa == Isa::AMX;
+  // fp32 rows, for the ISAs that read fp32: bf16 x widened (exact).
+  std::vector<float> xf(x_bf16 && !pairs ? static_cast<size_t>(M * K) : 0);
+  if (!xf.empty()) load_row(x, 0, M * K, true, xf.data());
+  const float* xp = x_bf16 ? xf.data() : static_cast<const float*>(x);
+  // Whole 16-row groups, and a last partial one of at least WIDE_MIN_ROWS rows (its zero padding
+  // costs less than the tiles), go the wide path; a shorter remainder goes through the tiles.
   int64_t wide = N < WIDE_MIN_COLS || mode.invariant || pairs ? 0
                  : M % GEMM_GROUP >= WIDE_MIN_ROWS          ? M
                                                             : M / GEMM_GROUP * GEMM_GROUP;
-  std::vector<float> xt = transpose_x(x, wide, K);
-  const bool tiles = isa == Isa::AMX;
+  std::vector<float> xt = transpose_x(xp, wide, K);
+  // bf16 rows, for the pair ISAs: bf16 x as it is, unless AMX needs it padded (k to whole tiles) and in VNNI tiles.
   const int64_t xk = tiles ? round_up(K, AMX_TILE_K) : K;
-  std::vector<uint16_t> xb(pairs ? static_cast<size_t>((tiles ? round_up(M, AMX_TILE_ROWS) : M) * xk) : 0);
-  for (int64_t m = 0; pairs && m < M; ++m) store_row(xb.data(), m * xk, K, true, x + m * K);
+  const uint16_t* xbp = x_bf16 && pairs && !tiles ? static_cast<const uint16_t*>(x) : nullptr;
+  std::vector<uint16_t> xb(pairs && !xbp ? static_cast<size_t>((tiles ? round_up(M, AMX_TILE_ROWS) : M) * xk) : 0);
+  for (int64_t m = 0; !xb.empty() && m < M; ++m) {
+    if (x_bf16) std::memcpy(xb.data() + m * xk, static_cast<const uint16_t*>(x) + m * K, K * sizeof(uint16_t));
+    else store_row(xb.data(), m * xk, K, true, xp + m * K);
+  }
   if (tiles) {
     std::vector<uint16_t> xv(xb.size());
     pack_x_amx(xb.data(), round_up(M, AMX_TILE_ROWS), xk, xv.data());
     xb.swap(xv);
   }
+  if (!xb.empty()) xbp = xb.data();
   auto range = [&](int64_t n0, int64_t n1) {
-    gemm_columns(isa, x, xb.data(), xk, xt.data(), wide, w, out, M, K, N, n0, n1, mode.invariant);
+    gemm_columns(isa, xp, xbp, xk, xt.data(), wide, w, out, M, K, N, n0, n1, mode.invariant);
   };
   // Split N across threads only when each gets enough work to beat the wake-up cost.
   int threads = threads_for(N * K, num_threads, 1 << 20);
@@ -133,17 +144,13 @@ void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t
 
 void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,
                  int64_t K, int64_t N, GemmMode mode, int num_threads) {
-  std::unique_ptr<float[]> xf, of;  // bf16_io: fp32 copies, fully written before use (no zero fill)
-  const float* xp = static_cast<const float*>(x);
+  std::unique_ptr<float[]> of;  // bf16_io: the fp32 result, fully written before use (no zero fill)
   float* op = static_cast<float*>(out);
   if (bf16_io) {
-    xf.reset(new float[M * K]);
-    load_row(x, 0, M * K, true, xf.get());
-    xp = xf.get();
     of.reset(new float[M * N]);
     op = of.get();
   }
-  gemm_bf16(xp, w, op, M, K, N, mode, num_threads);
+  gemm_bf16(x, bf16_io, w, op, M, K, N, mode, num_threads);
   if (bias)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) op[m * N + n] += from_bf16(bias[n]);

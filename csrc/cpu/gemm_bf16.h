@@ -24,8 +24,10 @@ constexpr int64_t GEMM_GROUP = 16;  // rows of x per outer-product group (the wi
 // AMX tiles (gemm_amx.cpp): 16 rows, of 32 bf16 (64 bytes) each.
 constexpr int64_t AMX_TILE_ROWS = 16, AMX_TILE_K = 32;
 
-void gemm_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, GemmMode mode,
-               int num_threads);
+// out[M,N] fp32 = x[M,K] @ w[N,K]^T; x fp32, or bf16 when x_bf16 (read as it is by the bf16-pair ISAs, which
+// round fp32 x to bf16 first; widened for the others).
+void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
+               GemmMode mode, int num_threads);
 
 // out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], bf16 or null), accumulated in fp32; x and out are both fp32,
 // or both bf16 when bf16_io (widened on entry, rounded to nearest even once on exit: torch's
