@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "cpu/bf16.h"
 #include "cpu/gemm_kernel.h"
+#include "cpu/scratch.h"
 #include "cpu/simd.h"
 #include "cpu/thread_pool.h"
 #include "cpu/vec.h"
@@ -116,20 +116,22 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
                  : M % GEMM_GROUP >= WIDE_MIN_ROWS          ? M
                                                             : M / GEMM_GROUP * GEMM_GROUP;
   std::vector<float> xt = transpose_x(xp, wide, K);
-  // bf16 rows, for the pair ISAs: bf16 x as it is, unless AMX needs it padded (k to whole tiles) and in VNNI tiles.
-  const int64_t xk = tiles ? round_up(K, AMX_TILE_K) : K;
-  const uint16_t* xbp = x_bf16 && pairs && !tiles ? static_cast<const uint16_t*>(x) : nullptr;
-  std::vector<uint16_t> xb(pairs && !xbp ? static_cast<size_t>((tiles ? round_up(M, AMX_TILE_ROWS) : M) * xk) : 0);
-  for (int64_t m = 0; !xb.empty() && m < M; ++m) {
-    if (x_bf16) std::memcpy(xb.data() + m * xk, static_cast<const uint16_t*>(x) + m * K, K * sizeof(uint16_t));
-    else store_row(xb.data(), m * xk, K, true, xp + m * K);
+  // bf16 rows, for the pair ISAs: bf16 x as it is, unless AMX needs it padded with zeros (k and rows to
+  // whole tiles) and in VNNI tiles.
+  const int64_t xk = tiles ? round_up(K, AMX_TILE_K) : K, xm = tiles ? round_up(M, AMX_TILE_ROWS) : M;
+  const bool copy_x = pairs && (tiles || !x_bf16);
+  Scratch<uint16_t> xb(ScratchUse::GEMM_X, copy_x ? xm * xk : 0), xv(ScratchUse::GEMM_X_TILES, tiles ? xm * xk : 0);
+  const uint16_t* xbp = pairs && !copy_x ? static_cast<const uint16_t*>(x) : nullptr;
+  if (copy_x) {
+    for (int64_t m = 0; m < M; ++m) {
+      if (x_bf16) std::memcpy(xb.data() + m * xk, static_cast<const uint16_t*>(x) + m * K, K * sizeof(uint16_t));
+      else store_row(xb.data(), m * xk, K, true, xp + m * K);
+      std::fill(xb.data() + m * xk + K, xb.data() + (m + 1) * xk, uint16_t{0});
+    }
+    std::fill(xb.data() + M * xk, xb.data() + xm * xk, uint16_t{0});
+    if (tiles) pack_x_amx(xb.data(), xm, xk, xv.data());
+    xbp = tiles ? xv.data() : xb.data();
   }
-  if (tiles) {
-    std::vector<uint16_t> xv(xb.size());
-    pack_x_amx(xb.data(), round_up(M, AMX_TILE_ROWS), xk, xv.data());
-    xb.swap(xv);
-  }
-  if (!xb.empty()) xbp = xb.data();
   auto range = [&](int64_t n0, int64_t n1) {
     gemm_columns(isa, xp, xbp, xk, xt.data(), wide, w, out, M, K, N, n0, n1, mode.invariant);
   };
@@ -144,12 +146,8 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
 
 void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,
                  int64_t K, int64_t N, GemmMode mode, int num_threads) {
-  std::unique_ptr<float[]> of;  // bf16_io: the fp32 result, fully written before use (no zero fill)
-  float* op = static_cast<float*>(out);
-  if (bf16_io) {
-    of.reset(new float[M * N]);
-    op = of.get();
-  }
+  Scratch<float> of(ScratchUse::LINEAR_OUT, bf16_io ? M * N : 0);  // bf16_io: the fp32 result
+  float* op = bf16_io ? of.data() : static_cast<float*>(out);
   gemm_bf16(x, bf16_io, w, op, M, K, N, mode, num_threads);
   if (bias)
     for (int64_t m = 0; m < M; ++m)
@@ -168,11 +166,11 @@ void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_ex
   // last ones claimed are the short ones that even out the threads' finish times.
   std::stable_sort(active.begin(), active.end(), [&](int64_t a, int64_t b) { return rows(a) > rows(b); });
   // Each expert's [gate | up] scratch sits at its rows' offsets: no per-thread buffers, no zeroing.
-  std::unique_ptr<float[]> scratch(new float[static_cast<size_t>(offsets[num_experts] * 2 * I)]);
+  Scratch<float> scratch(ScratchUse::EXPERT_ACT, offsets[num_experts] * 2 * I);
   parallel_for(static_cast<int64_t>(active.size()), std::max(1, num_threads), [&](int64_t i) {
     int64_t e = active[i];
     expert_swiglu_bf16(x + offsets[e] * H, w13 + e * 2 * I * H, w2 + e * H * I, y + offsets[e] * H,
-                       scratch.get() + offsets[e] * 2 * I, rows(e), H, I, limit, mode);
+                       scratch.data() + offsets[e] * 2 * I, rows(e), H, I, limit, mode);
   });
 }
 

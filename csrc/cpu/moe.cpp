@@ -1,10 +1,10 @@
 #include "cpu/moe.h"
 
 #include <algorithm>
-#include <memory>
 #include <vector>
 
 #include "cpu/bf16.h"
+#include "cpu/scratch.h"
 #include "cpu/thread_pool.h"
 
 namespace deepinfer {
@@ -41,12 +41,12 @@ bool moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bo
   for (int64_t f = 0; f < pairs; ++f)
     if (ids[f] < 0 || ids[f] >= E) return false;
   const Grouping g = group_by_expert(ids, pairs, E);
-  // Not value-initialised: every row is written before it is read (a skipped expert's rows are never read).
-  std::unique_ptr<float[]> rows(new float[pairs * H]), out(new float[pairs * H]);
+  // Every row is written before it is read (a skipped expert's rows are never read).
+  Scratch<float> rows(ScratchUse::MOE_ROWS, pairs * H), out(ScratchUse::MOE_OUT, pairs * H);
   parallel_ranges(pairs, threads_for(pairs * H, num_threads), [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) load_row(x, g.pair_of_slot[p] / k * H, H, bf16, rows.get() + p * H);
+    for (int64_t p = p0; p < p1; ++p) load_row(x, g.pair_of_slot[p] / k * H, H, bf16, rows.data() + p * H);
   });
-  grouped_experts_bf16(rows.get(), g.offsets.data(), E, skip, w13, w2, out.get(), H, I, limit, mode, num_threads);
+  grouped_experts_bf16(rows.data(), g.offsets.data(), E, skip, w13, w2, out.data(), H, I, limit, mode, num_threads);
   parallel_ranges(T, threads_for(pairs * H, num_threads), [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> slots(k);
     for (int64_t t = t0; t < t1; ++t) {
@@ -59,7 +59,7 @@ bool moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bo
         if (skip && skip[ids[f]]) continue;
         float w;
         load_row(weights, f, 1, bf16, &w);
-        const float* o = out.get() + p * H;
+        const float* o = out.data() + p * H;
         for (int64_t i = 0; i < H; ++i) acc[i] += w * o[i];
       }
     }
