@@ -292,3 +292,20 @@ def test_greedy_tokens_match_argmax_and_flag_non_finite_rows(monkeypatch):
     keep = [i for i in range(70) if i not in (3, 4, 5)]
     assert torch.equal(tokens[keep], logits[keep].argmax(-1)) and tokens[6] == 0 and tokens[8] == 100
     assert cpu_ops.greedy_tokens(torch.empty(2, 0)).tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 8, 13, 37, 64])
+def test_greedy_tokens_first_maximum_across_vector_lanes_and_the_tail(vocab):
+    """The kernel keeps a running maximum per vector lane of 8: ties between lanes, within a lane, and
+    with the scalar tail past the last whole vector all resolve to the first index, as torch.argmax does."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = []
+    for first, second in [(0, vocab - 1), (vocab // 2, vocab - 1), (vocab - 1, vocab - 1), (1, 9), (2, 10)]:
+        row = torch.randn(vocab, generator=g)
+        for i in (first, second):
+            if i < vocab:
+                row[i] = 9.0
+        rows.append(row)
+    rows.append(torch.full((vocab,), -3.0))
+    logits = torch.stack(rows)
+    assert torch.equal(cpu_ops.greedy_tokens(logits), logits.argmax(-1))

@@ -1,24 +1,49 @@
 #include "cpu/sampling.h"
 
+#include <immintrin.h>
+
 #include <cmath>
+#include <cstdint>
 
 #include "cpu/thread_pool.h"
 
 namespace deepinfer {
 namespace {
 
+// First index of the row's maximum, or -1 when any value is NaN or inf. Eight lanes each keep their
+// first maximum (strict >), then the lowest index among the lanes that hold the overall maximum.
 int64_t row_argmax(const float* row, int64_t V) {
-  float best = -INFINITY;
-  int64_t arg = 0;
-  bool finite = true;
-  for (int64_t v = 0; v < V; ++v) {
-    finite &= std::isfinite(row[v]);
-    if (row[v] > best) {
-      best = row[v];
-      arg = v;
+  __m256 best = _mm256_set1_ps(-INFINITY), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  __m256i arg = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  int64_t v = 0;
+  for (; v + 8 <= V && V <= INT32_MAX; v += 8, idx = _mm256_add_epi32(idx, step)) {
+    const __m256 x = _mm256_loadu_ps(row + v);
+    finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_EQ_OQ));
+    const __m256 better = _mm256_cmp_ps(x, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, x, better);
+    arg = _mm256_blendv_epi8(arg, idx, _mm256_castps_si256(better));
+  }
+  if (_mm256_movemask_ps(finite) != 0xff) return -1;
+  alignas(32) float lane_best[8];
+  alignas(32) int32_t lane_arg[8];
+  _mm256_store_ps(lane_best, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_arg), arg);
+  float top = -INFINITY;
+  int64_t at = v > 0 ? lane_arg[0] : 0;
+  for (int l = 0; l < 8 && v > 0; ++l)
+    if (lane_best[l] > top || (lane_best[l] == top && lane_arg[l] < at)) {
+      top = lane_best[l];
+      at = lane_arg[l];
+    }
+  for (; v < V; ++v) {
+    if (!std::isfinite(row[v])) return -1;
+    if (row[v] > top) {
+      top = row[v];
+      at = v;
     }
   }
-  return finite ? arg : -1;
+  return at;
 }
 
 }  // namespace
