@@ -79,7 +79,6 @@ class PendingTiles {
   static constexpr int CAPACITY = 64;
 
   PendingTiles(float* out, int64_t M, int64_t N) : out_(out), M_(M), N_(N) {}
-  ~PendingTiles() { flush(); }
 
   // Where the tile for out[m.., n..] goes; full capacity flushes first.
   float* slot(int64_t m, int64_t n) {

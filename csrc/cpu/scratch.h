@@ -1,9 +1,10 @@
 #pragma once
 // Kernel scratch memory. Two costs hide in a plain std::vector per call: malloc's 16-byte alignment (an
 // AMX tile row that straddles two cache lines costs two loads: x tiles so placed made the tile loop 1.9x
-// slower with the weights in L1), and fresh pages (a malloc of a MiB or more is a new mmap, or a heap top
-// that glibc trims back to the OS on free, so every call faults each 4 KiB page in again: ~8% of the
-// medium Qwen3-MoE's MoE layer at 64 rows).
+// slower with the weights in L1), and fresh pages (a malloc of a MiB or more can be a new mmap, or a heap
+// top that glibc trims back to the OS on free, so a call faults each 4 KiB page in again: 8% of the
+// medium Qwen3-MoE's MoE layers at 64 rows called in a loop; none inside the engine, whose allocation
+// history had glibc keep the pages, which is luck this makes a rule).
 #include <array>
 #include <cstddef>
 #include <new>
