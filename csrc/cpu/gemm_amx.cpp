@@ -37,12 +37,18 @@ struct alignas(64) TileConfig {
 // Tiles 0-3: out^T for (weight block, x group) (0, 0), (0, 1), (1, 0), (1, 1); 4-5: two blocks of 16
 // weight rows; 6-7: two 16-row groups of x. The intrinsics below take these as literal numbers (they
 // paste the tile register's name).
+// The configuration is a static object: GCC's _tile_loadconfig tells the compiler it reads 8 bytes of
+// its operand, so stores into a local config's other 56 bytes may be dropped as dead (a standalone
+// harness written that way faulted in ldtilecfg).
 void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = TILE;
-  }
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = TILE;
+    }
+    return c;
+  }();
   _tile_loadconfig(&cfg);
 }
 
