@@ -2,6 +2,7 @@
 random token prompts, as the transformers peer does. Prints one JSON line.
 
     python vllm_bench.py MODEL_DIR BATCH CONTEXT NEW_TOKENS DTYPE"""
+import functools
 import json
 import random
 import sys
@@ -11,20 +12,29 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 
-def main():
-    model, batch, context, n, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+def engine_and_prompts(model: str, batch: int, context: int, n: int, dtype: str = "bfloat16") -> tuple:
+    """vLLM's in-process engine sized for batch sequences of context + n tokens, and batch random token prompts."""
     llm = LLM(model, dtype=dtype, max_model_len=context + n + 8, max_num_seqs=batch, skip_tokenizer_init=True,
               max_num_batched_tokens=max(batch * context, 2048), seed=0)
     rng = random.Random(batch)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(context)]) for _ in range(batch)]
+    return llm, prompts
 
-    def run(k: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=k, min_tokens=k, ignore_eos=True, detokenize=False)
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == k for o in outs), "vllm stopped early"
-        return time.perf_counter() - t
+
+def generate_seconds(llm, prompts: list, k: int) -> float:
+    """Seconds to generate exactly k tokens (greedy, EOS ignored) for every prompt."""
+    params = SamplingParams(temperature=0, max_tokens=k, min_tokens=k, ignore_eos=True, detokenize=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == k for o in outs), "vllm stopped early"
+    return time.perf_counter() - t
+
+
+def main():
+    model, batch, context, n, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    llm, prompts = engine_and_prompts(model, batch, context, n, dtype)
+    run = functools.partial(generate_seconds, llm, prompts)
 
     run(2)  # warm-up
     t1, tn = run(1), run(n)

@@ -5,30 +5,20 @@ sweep's (examples/peers/vllm_peer.py ENV, VLLM_CPU_OMP_THREADS_BIND, OMP_NUM_THR
 this process, so the profiler sees its ops.
 
     python vllm_profile.py MODEL_DIR BATCH [CONTEXT=64] [NEW_TOKENS=21] [TOP=14]"""
-import random
+import functools
 import sys
-import time
 
 from torch.profiler import ProfilerActivity, profile
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
+
+from vllm_bench import engine_and_prompts, generate_seconds
 
 
 def main():
     model, batch = sys.argv[1], int(sys.argv[2])
     given = [int(a) for a in sys.argv[3:6]]
     context, n, top = given + [64, 21, 14][len(given):]
-    llm = LLM(model, dtype="bfloat16", max_model_len=context + n + 8, max_num_seqs=batch, skip_tokenizer_init=True,
-              max_num_batched_tokens=max(batch * context, 2048), seed=0)
-    rng = random.Random(batch)
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(context)]) for _ in range(batch)]
-
-    def run(k: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=k, min_tokens=k, ignore_eos=True, detokenize=False)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+    llm, prompts = engine_and_prompts(model, batch, context, n)
+    run = functools.partial(generate_seconds, llm, prompts)
 
     def op_ms(k: int) -> dict[str, float]:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
