@@ -16,8 +16,9 @@ int64_t row_argmax(const float* row, int64_t V) {
   __m256 best = _mm256_set1_ps(-INFINITY), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
   __m256i arg = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i step = _mm256_set1_epi32(8);
+  const int64_t vector_end = V <= INT32_MAX ? V / 8 * 8 : 0;  // lane indices are 32-bit
   int64_t v = 0;
-  for (; v + 8 <= V && V <= INT32_MAX; v += 8, idx = _mm256_add_epi32(idx, step)) {
+  for (; v < vector_end; v += 8, idx = _mm256_add_epi32(idx, step)) {
     const __m256 x = _mm256_loadu_ps(row + v);
     finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_EQ_OQ));
     const __m256 better = _mm256_cmp_ps(x, best, _CMP_GT_OQ);
@@ -29,9 +30,9 @@ int64_t row_argmax(const float* row, int64_t V) {
   alignas(32) int32_t lane_arg[8];
   _mm256_store_ps(lane_best, best);
   _mm256_store_si256(reinterpret_cast<__m256i*>(lane_arg), arg);
-  float top = -INFINITY;
-  int64_t at = v > 0 ? lane_arg[0] : 0;
-  for (int l = 0; l < 8 && v > 0; ++l)
+  float top = -INFINITY;  // lanes that saw no value hold -inf and are passed over
+  int64_t at = 0;
+  for (int l = 0; l < 8; ++l)
     if (lane_best[l] > top || (lane_best[l] == top && lane_arg[l] < at)) {
       top = lane_best[l];
       at = lane_arg[l];
