@@ -112,7 +112,7 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
   const float* xp = x_bf16 ? xf.data() : static_cast<const float*>(x);
   // Whole 16-row groups, and a last partial one of at least WIDE_MIN_ROWS rows (its zero padding
   // costs less than the tiles), go the wide path; a shorter remainder goes through the tiles.
-  int64_t wide = N < WIDE_MIN_COLS || mode.invariant || pairs ? 0
+  int64_t wide = N < WIDE_MIN_COLS || mode.invariant || !mode.panels || pairs ? 0
                  : M % GEMM_GROUP >= WIDE_MIN_ROWS          ? M
                                                             : M / GEMM_GROUP * GEMM_GROUP;
   std::vector<float> xt = transpose_x(xp, wide, K);

@@ -13,12 +13,23 @@
 
 namespace deepinfer {
 
-// How a GEMM runs: the vector ISA of the kernel, and whether every M uses one reduction order
-// (batch-invariant: dot-product tiles only, no streaming or outer-product paths).
+// How a GEMM runs: the vector ISA of the kernel; whether every M uses one reduction order
+// (batch-invariant: dot-product tiles only, no streaming or outer-product paths); and, for the fp32
+// ISAs, whether 10+ rows go through fp32 weight panels (outer products) instead of the tiles. Which
+// of those two is faster depends on the CPU (the panels were 1.45x faster on one AVX2 EPYC, 1.7x
+// slower on a Zen 3 EPYC), so the GEMM plan times both.
 struct GemmMode {
   Isa isa = Isa::AVX2;
   bool invariant = false;
+  bool panels = false;
 };
+
+// A kernel's id as the plan names it (cpu_features()["gemm_isas"]): its Isa, plus KERNEL_PANELS for
+// the panel form.
+constexpr int KERNEL_PANELS = 16;
+inline GemmMode kernel_mode(int id, bool invariant) {
+  return GemmMode{static_cast<Isa>(id & (KERNEL_PANELS - 1)), invariant, (id & KERNEL_PANELS) != 0};
+}
 
 constexpr int64_t GEMM_GROUP = 16;  // rows of x per outer-product group (the wide path)
 // AMX tiles (gemm_amx.cpp): 16 rows, of 32 bf16 (64 bytes) each.

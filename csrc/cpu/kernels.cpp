@@ -23,13 +23,24 @@ using namespace deepinfer;
 
 namespace {
 
-// A kernel ISA the CPU lacks would fault on its first instruction: refuse it as a Python error.
-GemmMode gemm_mode(int isa, bool invariant) {
-  if (isa < static_cast<int>(Isa::AVX2) || isa > static_cast<int>(Isa::AMX))
-    throw py::value_error("unknown GEMM isa " + std::to_string(isa));
-  if (!isa_supported(static_cast<Isa>(isa)))
-    throw py::value_error("GEMM isa " + std::to_string(isa) + " is not supported by this CPU");
-  return GemmMode{static_cast<Isa>(isa), invariant};
+// The GEMM kernels by name and id (kernel_mode), narrowest first: each ISA's dot-product tiles, and
+// the fp32 ISAs' panel form after their tiles.
+std::vector<std::pair<const char*, int>> gemm_kernels() {
+  constexpr int avx2 = static_cast<int>(Isa::AVX2), avx512 = static_cast<int>(Isa::AVX512);
+  return {{"avx2-panels", avx2 | KERNEL_PANELS}, {"avx2", avx2}, {"avx512-panels", avx512 | KERNEL_PANELS},
+          {"avx512", avx512}, {"avx512bf16", static_cast<int>(Isa::AVX512_BF16)}, {"amx", static_cast<int>(Isa::AMX)}};
+}
+
+// A kernel the CPU lacks would fault on its first instruction: refuse it as a Python error.
+GemmMode gemm_mode(int id, bool invariant) {
+  for (auto [name, known] : gemm_kernels()) {
+    if (known != id) continue;
+    GemmMode mode = kernel_mode(id, invariant);
+    if (!isa_supported(mode.isa))
+      throw py::value_error(std::string("GEMM kernel ") + name + " is not supported by this CPU");
+    return mode;
+  }
+  throw py::value_error("unknown GEMM kernel id " + std::to_string(id));
 }
 
 py::dict features_dict() {
@@ -45,10 +56,8 @@ py::dict features_dict() {
   d["amx_tile"] = f.amx_tile;
   d["amx_bf16"] = f.amx_bf16;
   py::list isas;
-  for (auto [name, isa] :
-       {std::pair{"avx2", Isa::AVX2}, std::pair{"avx512", Isa::AVX512}, std::pair{"avx512bf16", Isa::AVX512_BF16},
-        std::pair{"amx", Isa::AMX}})
-    if (isa_supported(isa)) isas.append(py::make_tuple(name, static_cast<int>(isa)));
+  for (auto [name, id] : gemm_kernels())
+    if (isa_supported(kernel_mode(id, false).isa)) isas.append(py::make_tuple(name, id));
   d["gemm_isas"] = isas;
   return d;
 }
@@ -57,7 +66,7 @@ py::dict features_dict() {
 
 void bind_cpu_kernels(py::module_& m) {
   m.def("cpu_features", &features_dict,
-        "what this CPU and OS support (cpuid / xgetbv), and the GEMM kernel ISAs that run here as (name, id)");
+        "what this CPU and OS support (cpuid / xgetbv), and the GEMM kernels that run here as (name, id), narrowest first");
   m.def(
       "linear_bf16",
       [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, bool bf16_io, int64_t M, int64_t K, int64_t N,

@@ -57,7 +57,7 @@ GemmMode expert_mode(const MoeBlock& b, const std::vector<int64_t>& ids) {
   const int64_t busiest = *std::max_element(rows.begin(), rows.end());
   int level = 0;
   while (level + 1 < b.num_expert_isa && (int64_t{2} << level) <= busiest) ++level;
-  return GemmMode{static_cast<Isa>(b.expert_isa[level]), b.invariant};
+  return kernel_mode(b.expert_isa[level], b.invariant);
 }
 
 }  // namespace

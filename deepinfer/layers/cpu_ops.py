@@ -6,7 +6,9 @@ from deepinfer import _C, platform
 
 # Activation dtypes the kernels read and write directly.
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
-# Our GEMM kernels that run on this CPU, fastest ISA first: {name: id} (csrc/cpu/cpu_features.cpp).
+# Our GEMM kernels that run on this CPU, widest ISA first: {name: id} (gemm_kernels in csrc/cpu/kernels.cpp).
+# A name is an ISA's dot-product tiles ("avx2"), or for the fp32 ISAs "<isa>-panels": the same kernel with
+# 10+ rows on fp32 weight panels (outer products), which is faster on some CPUs and slower on others.
 GEMM_ISAS = dict(reversed(_C.cpu_features()["gemm_isas"]))
 # ISAs whose dot products take bf16 pairs: they round fp32 activations to bf16 first, as torch's bf16
 # GEMM does (exact for bf16 activations). The others read activations in fp32.

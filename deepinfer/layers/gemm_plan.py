@@ -9,7 +9,7 @@ fastest kept. Plans are cached on disk by CPU, torch version, extension build an
 The engine calibrates its model's shapes at start (`prepare`) and logs the table; a shape first met
 later is calibrated on that call.
 
-Paths: "cpu-<isa>" (our kernel; ISAs in cpu_ops.BF16_INPUT_ISAS for bf16 activations only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations
+Paths: "cpu-<isa>" (our kernel, keys of cpu_ops.GEMM_ISAS; ISAs in cpu_ops.BF16_INPUT_ISAS for bf16 activations only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations
 only, as it rounds its input and output to bf16), "torch-fp32" (F.linear on widened weights: MKL's
 sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel (each ISA)
 and torch-bf16, by the expert's row count.
@@ -33,9 +33,9 @@ CAL_MAX_N = 4096  # wider outputs are timed on their first rows: the time is lin
 REPEATS = 3
 MIN_TIMED_S = 5e-4  # tiny GEMMs are looped to at least this long per timing
 PRUNE = 3.0
-# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (3: the
-# widest ISA within ISA_MARGIN; 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
-PLAN_FORMAT = 3
+# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (4: "cpu-avx2"
+# and "cpu-avx512" no longer take the panel form, now a path of its own; 3: the widest ISA within ISA_MARGIN; 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
+PLAN_FORMAT = 4
 
 
 def bucket(m: int) -> int:
