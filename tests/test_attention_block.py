@@ -110,9 +110,9 @@ def test_engine_bf16_outputs_equal_without_fusion(fixture, request, monkeypatch)
     # does (on a CPU where torch's GEMM wins the tiny shapes the plan would send them there).
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", lambda dtype, m, w: f"cpu-{cpu_ops.EXACT_ISA}")
     results = []
-    real = Attention.fused_decode
-    monkeypatch.setattr(Attention, "fused_decode", lambda *a: results.append(real(*a)) or results[-1])
+    real = Attention.fused_weights  # what both the per-layer and the all-layer (decoder_layers) fused paths take
+    monkeypatch.setattr(Attention, "fused_weights", lambda *a: results.append(real(*a)) or results[-1])
     fused_out = run()
-    assert any(r is not None for r in results)  # the decode steps went through the fused path
-    monkeypatch.setattr(Attention, "fused_decode", lambda *a: None)
+    assert any(r is not None for r in results)  # the decode steps went through a fused path
+    monkeypatch.setattr(Attention, "fused_weights", lambda *a: None)
     assert run() == fused_out

@@ -106,7 +106,7 @@ def test_engine_outputs_and_expert_load_equal_without_fusion(tiny_qwen3_moe, mon
         return [o.outputs[0].token_ids for o in outs], llm.engine.eplb.recorder.total()
 
     fused_tokens, fused_load = run()
-    monkeypatch.setattr(SparseMoeBlock, "fused_residual", lambda self, x, a, norm: None)
+    monkeypatch.setattr(SparseMoeBlock, "fused_weights", lambda self, x, a, norm: None)  # per layer and stacked
     tokens, load = run()
     assert fused_tokens == tokens
     assert torch.equal(fused_load, load)

@@ -10,6 +10,7 @@
 
 #include "cpu/attention_block.h"
 #include "cpu/cpu_features.h"
+#include "cpu/decoder_layers.h"
 #include "cpu/decode_attention.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/hyper_connection.h"
@@ -41,6 +42,23 @@ GemmMode gemm_mode(int id, bool invariant) {
     return mode;
   }
   throw py::value_error("unknown GEMM kernel id " + std::to_string(id));
+}
+
+// attention_block's failures as Python errors, prefixed by where they happened.
+void raise_attention_status(AttentionBlockStatus status, const AttentionBlock& b, int64_t max_blocks,
+                            const std::string& where) {
+  if (status == AttentionBlockStatus::BAD_POSITION_OR_SLOT)
+    throw py::index_error(where + ": a position or slot_mapping entry is out of range");
+  if (status == AttentionBlockStatus::BAD_CONTEXT_LEN)
+    throw py::value_error(where + ": context_lens must lie in [1, max_blocks * block_size = " +
+                          std::to_string(max_blocks * b.block_size) + "]");
+  if (status == AttentionBlockStatus::BAD_BLOCK)
+    throw py::value_error(where + ": block_tables holds a block id outside [0, " + std::to_string(b.num_blocks) +
+                          ") within a context");
+}
+
+[[noreturn]] void raise_bad_expert(const MoeBlock& b, const std::string& where) {
+  throw py::value_error(where + ": log2phy maps an expert outside [0, " + std::to_string(b.num_physical) + ")");
 }
 
 py::dict features_dict() {
@@ -109,14 +127,13 @@ void bind_cpu_kernels(py::module_& m) {
         if (!ok) throw py::value_error("moe_experts_bf16: topk_ids must lie in [0, " + std::to_string(E) + ")");
       },
       "y [T,H] fp32 = sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) over experts without skip[e] (uint8 [E], 0: none)");
-  m.def(
-      "attention_block",
-      [](uintptr_t x, uintptr_t out, int64_t T, bool bf16, uintptr_t positions, uintptr_t slots,
-         uintptr_t block_tables, int64_t max_blocks, uintptr_t context_lens, int threads, int64_t hidden, int64_t heads,
-         int64_t kv_heads, int64_t head_dim, uintptr_t norm_w, float eps, uintptr_t qkv, uintptr_t qkv_bias,
-         int qkv_isa, uintptr_t q_norm, uintptr_t k_norm, float qk_eps, uintptr_t cos, uintptr_t sin,
-         int64_t num_positions, uintptr_t k_cache, uintptr_t v_cache, int64_t num_blocks, int64_t block_size,
-         uintptr_t o, uintptr_t o_bias, int o_isa, float scale, bool invariant) {
+  py::class_<AttentionBlock>(m, "AttentionBlock",
+                             "a decoder layer's attention-half weights and caches, checked by cpu_ops.attention_block_weights")
+      .def(py::init([](int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, uintptr_t norm_w, float eps,
+                       uintptr_t qkv, uintptr_t qkv_bias, int qkv_isa, uintptr_t q_norm, uintptr_t k_norm, float qk_eps,
+                       uintptr_t cos, uintptr_t sin, int64_t num_positions, uintptr_t k_cache, uintptr_t v_cache,
+                       int64_t num_blocks, int64_t block_size, uintptr_t o, uintptr_t o_bias, int o_isa, float scale,
+                       bool invariant) {
         AttentionBlock b;
         b.hidden = hidden, b.heads = heads, b.kv_heads = kv_heads, b.head_dim = head_dim;
         b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
@@ -128,6 +145,27 @@ void bind_cpu_kernels(py::module_& m) {
         b.v_cache = reinterpret_cast<void*>(v_cache), b.num_blocks = num_blocks, b.block_size = block_size;
         b.o = reinterpret_cast<const uint16_t*>(o), b.o_bias = reinterpret_cast<const uint16_t*>(o_bias);
         b.o_mode = gemm_mode(o_isa, invariant), b.scale = scale;
+        return b;
+      }));
+  py::class_<MoeBlock>(m, "MoeBlock", "a Qwen3-MoE layer's second-half weights, checked by cpu_ops.moe_block_weights")
+      .def(py::init([](int64_t H, int64_t I, uintptr_t norm_w, float eps, uintptr_t gate, int64_t num_logical,
+                       int64_t top_k, bool renorm, int gate_isa, int64_t num_physical, uintptr_t w13, uintptr_t w2,
+                       const std::vector<int>& expert_isa, bool invariant) {
+        MoeBlock b;
+        b.H = H, b.I = I, b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
+        b.gate = reinterpret_cast<const uint16_t*>(gate), b.num_logical = num_logical, b.top_k = top_k;
+        b.renorm = renorm, b.gate_mode = gemm_mode(gate_isa, invariant);
+        b.num_physical = num_physical, b.w13 = reinterpret_cast<const uint16_t*>(w13);
+        b.w2 = reinterpret_cast<const uint16_t*>(w2), b.invariant = invariant;
+        for (int isa : expert_isa) gemm_mode(isa, invariant);  // each must run on this CPU
+        if (expert_isa.empty()) throw py::value_error("moe_block: expert_isa is empty");
+        b.expert_isa = expert_isa;
+        return b;
+      }));
+  m.def(
+      "attention_block",
+      [](uintptr_t x, uintptr_t out, int64_t T, bool bf16, uintptr_t positions, uintptr_t slots,
+         uintptr_t block_tables, int64_t max_blocks, uintptr_t context_lens, int threads, const AttentionBlock& b) {
         AttentionBlockStatus status;
         {
           py::gil_scoped_release release;
@@ -136,41 +174,50 @@ void bind_cpu_kernels(py::module_& m) {
                                    reinterpret_cast<const int64_t*>(block_tables), max_blocks,
                                    reinterpret_cast<const int64_t*>(context_lens), bf16, threads);
         }
-        if (status == AttentionBlockStatus::BAD_POSITION_OR_SLOT)
-          throw py::index_error("attention_block: a position or slot_mapping entry is out of range");
-        if (status == AttentionBlockStatus::BAD_CONTEXT_LEN)
-          throw py::value_error("attention_block: context_lens must lie in [1, max_blocks * block_size = " +
-                                std::to_string(max_blocks * block_size) + "]");
-        if (status == AttentionBlockStatus::BAD_BLOCK)
-          throw py::value_error("attention_block: block_tables holds a block id outside [0, " +
-                                std::to_string(num_blocks) + ") within a context");
+        raise_attention_status(status, b, max_blocks, "attention_block");
       },
       "out [T,hidden] = o_proj(paged attention(q/k norm + rope + KV store(qkv_proj(rms_norm(x))))) for decode");
   m.def(
       "moe_block",
       [](uintptr_t x, uintptr_t a, uintptr_t out, int64_t T, bool bf16, uintptr_t counts, uintptr_t log2phy,
-         int threads, int64_t H, int64_t I, uintptr_t norm_w, float eps, uintptr_t gate, int64_t num_logical,
-         int64_t top_k, bool renorm, int gate_isa, int64_t num_physical, uintptr_t w13, uintptr_t w2,
-         const std::vector<int>& expert_isa, bool invariant) {
-        MoeBlock b;
-        b.H = H, b.I = I, b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
-        b.gate = reinterpret_cast<const uint16_t*>(gate), b.num_logical = num_logical, b.top_k = top_k;
-        b.renorm = renorm, b.gate_mode = gemm_mode(gate_isa, invariant);
-        b.counts = reinterpret_cast<int64_t*>(counts), b.log2phy = reinterpret_cast<const int64_t*>(log2phy);
-        b.num_physical = num_physical, b.w13 = reinterpret_cast<const uint16_t*>(w13);
-        b.w2 = reinterpret_cast<const uint16_t*>(w2), b.invariant = invariant;
-        for (int isa : expert_isa) gemm_mode(isa, invariant);  // each must run on this CPU
-        if (expert_isa.empty()) throw py::value_error("moe_block: expert_isa is empty");
-        b.expert_isa = expert_isa.data(), b.num_expert_isa = static_cast<int>(expert_isa.size());
+         int threads, const MoeBlock& b) {
         bool ok;
         {
           py::gil_scoped_release release;
-          ok = moe_block(b, reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(a),
-                         reinterpret_cast<void*>(out), T, bf16, threads);
+          ok = moe_block(b, reinterpret_cast<int64_t*>(counts), reinterpret_cast<const int64_t*>(log2phy),
+                         reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(a), reinterpret_cast<void*>(out),
+                         T, bf16, threads);
         }
-        if (!ok) throw py::value_error("moe_block: log2phy maps an expert outside [0, " + std::to_string(num_physical) + ")");
+        if (!ok) raise_bad_expert(b, "moe_block");
       },
       "out [T,H] = x1 + moe(rms_norm(x1)), x1 = x + a: Qwen3-MoE's residual, norm, top-k router and experts");
+  m.def(
+      "decoder_layers",
+      [](uintptr_t x, uintptr_t out, int64_t T, bool bf16, uintptr_t positions, uintptr_t slots,
+         uintptr_t block_tables, int64_t max_blocks, uintptr_t context_lens, int threads,
+         const std::vector<AttentionBlock*>& attention, const std::vector<MoeBlock*>& moe,
+         const std::vector<uintptr_t>& counts, const std::vector<uintptr_t>& log2phy) {
+        const size_t L = attention.size();
+        if (moe.size() != L || counts.size() != L || log2phy.size() != L)
+          throw py::value_error("decoder_layers: one attention half, MoE half, counts and log2phy per layer");
+        std::vector<DecoderLayer> layers(L);
+        for (size_t l = 0; l < L; ++l)
+          layers[l] = {attention[l], moe[l], reinterpret_cast<int64_t*>(counts[l]),
+                       reinterpret_cast<const int64_t*>(log2phy[l])};
+        DecoderLayersStatus status;
+        {
+          py::gil_scoped_release release;
+          status = decoder_layers(layers, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), T,
+                                  reinterpret_cast<const int64_t*>(positions), reinterpret_cast<const int64_t*>(slots),
+                                  reinterpret_cast<const int64_t*>(block_tables), max_blocks,
+                                  reinterpret_cast<const int64_t*>(context_lens), bf16, threads);
+        }
+        if (status.layer < 0) return;
+        const std::string where = "decoder_layers: layer " + std::to_string(status.layer);
+        raise_attention_status(status.attention, *attention[status.layer], max_blocks, where);
+        raise_bad_expert(*moe[status.layer], where);
+      },
+      "out [T,hidden] = the layers' attention_block and moe_block in turn from x, at decode, in one call");
   m.def(
       "greedy_tokens",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {

@@ -56,13 +56,14 @@ GemmMode expert_mode(const MoeBlock& b, const std::vector<int64_t>& ids) {
   for (int64_t id : ids) ++rows[id];
   const int64_t busiest = *std::max_element(rows.begin(), rows.end());
   int level = 0;
-  while (level + 1 < b.num_expert_isa && (int64_t{2} << level) <= busiest) ++level;
+  while (level + 1 < static_cast<int>(b.expert_isa.size()) && (int64_t{2} << level) <= busiest) ++level;
   return kernel_mode(b.expert_isa[level], b.invariant);
 }
 
 }  // namespace
 
-bool moe_block(const MoeBlock& b, const void* x, const void* a, void* out, int64_t T, bool bf16, int num_threads) {
+bool moe_block(const MoeBlock& b, int64_t* counts, const int64_t* log2phy, const void* x, const void* a, void* out,
+               int64_t T, bool bf16, int num_threads) {
   const int64_t H = b.H, E = b.num_logical, k = b.top_k, elem = bf16 ? 2 : 4;
   add_rounded(x, a, false, out, T * H, bf16);  // out holds x1 until the last step
   std::vector<char> h(T * H * elem), logits(T * E * elem);
@@ -77,12 +78,12 @@ bool moe_block(const MoeBlock& b, const void* x, const void* a, void* out, int64
   }
   // Every mapped slot is checked before any count is added, so a bad log2phy leaves the counts as they were.
   for (int64_t id : ids) {
-    const int64_t slot = b.log2phy ? b.log2phy[id] : id;
+    const int64_t slot = log2phy ? log2phy[id] : id;
     if (slot < 0 || slot >= b.num_physical) return false;
   }
   for (int64_t& id : ids) {
-    if (b.counts) ++b.counts[id];
-    if (b.log2phy) id = b.log2phy[id];
+    if (counts) ++counts[id];
+    if (log2phy) id = log2phy[id];
   }
   std::vector<char> w(T * k * elem);
   store_row(w.data(), 0, T * k, bf16, weights.data());

@@ -5,6 +5,7 @@
 // caches the weight stream has just flushed, cost a sixth of a batch-1 step. Rounding follows the torch
 // modules it replaces (deepinfer/models/llama.py DecoderLayer, qwen3_moe.py SparseMoeBlock) step by step.
 #include <cstdint>
+#include <vector>
 
 #include "cpu/gemm_bf16.h"
 
@@ -18,20 +19,20 @@ struct MoeBlock {
   int64_t num_logical = 0, top_k = 0;
   bool renorm = false;             // norm_topk_prob
   GemmMode gate_mode;
-  int64_t* counts = nullptr;            // [E_logical] expert-load counter (int64) to add to, or null
-  const int64_t* log2phy = nullptr;     // [E_logical] physical slot of each logical expert, or null (identity)
   int64_t num_physical = 0;
   const uint16_t* w13 = nullptr;   // [E, 2I, H] bf16
   const uint16_t* w2 = nullptr;    // [E, H, I] bf16
-  // Isa of the grouped kernel by the busiest expert's rows: entry i for 2^i.. rows, the last for all above.
-  const int* expert_isa = nullptr;
-  int num_expert_isa = 0;
+  // Kernel id (kernel_mode) of the grouped kernel by the busiest expert's rows: entry i for 2^i.. rows, the
+  // last for all above.
+  std::vector<int> expert_isa;
   bool invariant = false;
 };
 
-// out [T, H] = x1 + round(moe(rms_norm(x1))) with x1 = round(x + a); x, a, out all fp32 or all bf16 (bf16).
-// Returns false when a mapped expert id lies outside [0, num_physical): counts are then untouched and out is
-// unspecified.
-bool moe_block(const MoeBlock& b, const void* x, const void* a, void* out, int64_t T, bool bf16, int num_threads);
+// out [T, H] = x1 + round(moe(rms_norm(x1))) with x1 = round(x + a); x, a, out all fp32 or all bf16 (bf16); out
+// may be x. counts [E_logical]: the expert-load counter (int64) to add to, or null; log2phy [E_logical]: the
+// physical slot of each logical expert, or null (identity). Returns false when a mapped expert id lies outside
+// [0, num_physical): counts are then untouched and out is unspecified.
+bool moe_block(const MoeBlock& b, int64_t* counts, const int64_t* log2phy, const void* x, const void* a, void* out,
+               int64_t T, bool bf16, int num_threads);
 
 }  // namespace deepinfer

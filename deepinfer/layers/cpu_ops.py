@@ -150,10 +150,11 @@ def attention_block_weights(norm_w: torch.Tensor, eps: float, qkv_w: torch.Tenso
     _check_rope_tables(cos, sin, d)
     if v_cache.shape != k_cache.shape or h % hkv or d % 2:
         raise ValueError(f"attention_block: {h} heads over caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    return dtype, hidden, (hidden, h, hkv, d, norm_w.data_ptr(), float(eps), qkv_w.data_ptr(), _ptr(qkv_bias),
-                           _isa_id(qkv_isa), _ptr(q_norm), _ptr(k_norm), float(qk_eps), cos.data_ptr(), sin.data_ptr(),
-                           cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), blocks, block_size, o_w.data_ptr(),
-                           _ptr(o_bias), _isa_id(o_isa), float(scale), invariant)
+    return dtype, hidden, _C.AttentionBlock(hidden, h, hkv, d, norm_w.data_ptr(), float(eps), qkv_w.data_ptr(),
+                                            _ptr(qkv_bias), _isa_id(qkv_isa), _ptr(q_norm), _ptr(k_norm), float(qk_eps),
+                                            cos.data_ptr(), sin.data_ptr(), cos.shape[0], k_cache.data_ptr(),
+                                            v_cache.data_ptr(), blocks, block_size, o_w.data_ptr(), _ptr(o_bias),
+                                            _isa_id(o_isa), float(scale), invariant)
 
 
 def attention_block(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -162,20 +163,28 @@ def attention_block(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torc
     rope(qk_norm(qkv_proj(rms_norm(x)))))) [T, hidden], storing each token's key and value at slot_mapping [T];
     block_tables [T, max_blocks], context_lens [T], positions [T]. weights: attention_block_weights(...). See
     csrc/cpu/attention_block.h."""
-    dtype, hidden, static = weights
+    dtype, hidden, block = weights
+    held, args = _decode_inputs("attention_block", x, dtype, hidden, positions, slot_mapping, block_tables, context_lens)
+    out = torch.empty_like(x)
+    _C.attention_block(x.data_ptr(), out.data_ptr(), *args, platform.kernel_threads(), block)
+    return out
+
+
+def _decode_inputs(name: str, x: torch.Tensor, dtype: torch.dtype, hidden: int, positions: torch.Tensor,
+                   slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple:
+    """Checks a decode step's inputs for the fused layer kernels -> (the int64 tensors the pointers point into, to
+    be held for the call; the arguments (T, bf16, positions, slots, block_tables, max_blocks, context_lens))."""
     _check(x, "x", dtype, 2)
     t = x.shape[0]
     pos, slots, lens = (v.to(torch.int64).contiguous() for v in (positions, slot_mapping, context_lens))
     tables = block_tables.to(torch.int64).contiguous()
     if x.shape[1] != hidden or pos.shape != (t,) or slots.shape != (t,) or lens.shape != (t,) or tables.dim() != 2 \
             or tables.shape[0] != t:
-        raise ValueError(f"attention_block: x {tuple(x.shape)} (hidden {hidden}), positions {tuple(pos.shape)}, "
+        raise ValueError(f"{name}: x {tuple(x.shape)} (hidden {hidden}), positions {tuple(pos.shape)}, "
                          f"slot_mapping {tuple(slots.shape)}, context_lens {tuple(lens.shape)}, "
                          f"block_tables {tuple(tables.shape)}")
-    out = torch.empty_like(x)
-    _C.attention_block(x.data_ptr(), out.data_ptr(), t, dtype == torch.bfloat16, pos.data_ptr(), slots.data_ptr(),
-                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), platform.kernel_threads(), *static)
-    return out
+    return (pos, slots, tables, lens), (t, dtype == torch.bfloat16, pos.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                                        tables.shape[1], lens.data_ptr())
 
 
 def moe_block_weights(norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_k: int, renorm: bool,
@@ -195,9 +204,9 @@ def moe_block_weights(norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_
             or not expert_isas:
         raise ValueError(f"moe_block shapes disagree: norm_w {tuple(norm_w.shape)}, gate {tuple(gate.shape)}, top_k "
                          f"{top_k}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, {len(expert_isas)} expert ISAs")
-    return norm_w.dtype, h, gate.shape[0], (h, two_i // 2, norm_w.data_ptr(), float(eps), gate.data_ptr(), gate.shape[0],
-                                            top_k, renorm, _isa_id(gate_isa), e, w13.data_ptr(), w2.data_ptr(),
-                                            [_isa_id(i) for i in expert_isas], invariant)
+    return norm_w.dtype, h, gate.shape[0], _C.MoeBlock(h, two_i // 2, norm_w.data_ptr(), float(eps), gate.data_ptr(),
+                                                      gate.shape[0], top_k, renorm, _isa_id(gate_isa), e, w13.data_ptr(),
+                                                      w2.data_ptr(), [_isa_id(i) for i in expert_isas], invariant)
 
 
 def moe_block(x: torch.Tensor, a: torch.Tensor, weights: tuple, counts: torch.Tensor | None = None,
@@ -205,17 +214,38 @@ def moe_block(x: torch.Tensor, a: torch.Tensor, weights: tuple, counts: torch.Te
     """Qwen3-MoE's second half-layer: x, a [T, H] -> x1 + moe(rms_norm(x1)), x1 = x + a. weights:
     moe_block_weights(...). counts [E_logical] int64: expert load to add to (or None); log2phy [E_logical] int64:
     physical slot of each logical expert (None: the identity). See csrc/cpu/moe_block.h."""
-    dtype, h, e_logical, static = weights
+    dtype, h, _, block = weights
     _check(x, "x", dtype, 2)
     _check(a, "a", dtype, 2)
     if x.shape[1] != h or a.shape != x.shape:
         raise ValueError(f"moe_block: x {tuple(x.shape)} and a {tuple(a.shape)} must be [T, {h}]")
-    _check_vector(counts, "counts", torch.int64, e_logical)  # one per logical expert
-    _check_vector(log2phy, "log2phy", torch.int64, e_logical)
     out = torch.empty_like(x)
     _C.moe_block(x.data_ptr(), a.data_ptr(), out.data_ptr(), x.shape[0], dtype == torch.bfloat16,
-                 _ptr(counts), _ptr(log2phy),
-                 platform.kernel_threads(), *static)
+                 *_load_pointers(weights, counts, log2phy), platform.kernel_threads(), block)
+    return out
+
+
+def _load_pointers(moe_weights: tuple, counts: torch.Tensor | None, log2phy: torch.Tensor | None) -> tuple[int, int]:
+    """Checks a MoE half's counts and log2phy (one per logical expert, or None) -> their pointers."""
+    e_logical = moe_weights[2]
+    _check_vector(counts, "counts", torch.int64, e_logical)
+    _check_vector(log2phy, "log2phy", torch.int64, e_logical)
+    return _ptr(counts), _ptr(log2phy)
+
+
+def decoder_layers(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                   context_lens: torch.Tensor, layers: list[tuple]) -> torch.Tensor:
+    """Decoder layers at decode in one call: x [T, hidden] -> after every layer's attention_block and moe_block
+    in turn [T, hidden]; the inputs as attention_block's. layers: per layer (attention_block_weights(...),
+    moe_block_weights(...), counts, log2phy) with counts and log2phy as moe_block's. See csrc/cpu/decoder_layers.h."""
+    dtype, hidden, _ = layers[0][0]
+    if any(attn[:2] != (dtype, hidden) or moe[:2] != (dtype, hidden) for attn, moe, _, _ in layers):
+        raise ValueError("decoder_layers: every layer's halves must share one activation dtype and hidden size")
+    held, args = _decode_inputs("decoder_layers", x, dtype, hidden, positions, slot_mapping, block_tables, context_lens)
+    pointers = [_load_pointers(moe, counts, log2phy) for _, moe, counts, log2phy in layers]
+    out = torch.empty_like(x)
+    _C.decoder_layers(x.data_ptr(), out.data_ptr(), *args, platform.kernel_threads(), [attn[2] for attn, *_ in layers],
+                      [moe[3] for _, moe, *_ in layers], [c for c, _ in pointers], [m for _, m in pointers])
     return out
 
 

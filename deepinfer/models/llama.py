@@ -55,6 +55,14 @@ class Attention(nn.Module):
     def fused_decode(self, x: torch.Tensor, norm: RMSNorm, meta: AttentionMetadata) -> torch.Tensor | None:
         """self(norm(x), meta) in one C++ call (cpu_ops.attention_block) for a decode step (one query per
         sequence) on CPU bf16 weights whose GEMM plan keeps both projections on our kernels; None otherwise."""
+        weights = self.fused_weights(x, norm, meta)
+        if weights is None:
+            return None
+        return cpu_ops.attention_block(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                       weights)
+
+    def fused_weights(self, x: torch.Tensor, norm: RMSNorm, meta: AttentionMetadata) -> tuple | None:
+        """cpu_ops.attention_block_weights for these inputs, or None where the fused half cannot run them."""
         if meta.max_query_len != 1 or x.dim() != 2:
             return None
         key = (x.dtype, x.device.type, bucket(x.shape[0]), PLAN.invariant, norm.weight.data_ptr(),
@@ -62,11 +70,7 @@ class Attention(nn.Module):
                0 if self.k_cache is None else self.k_cache.data_ptr())
         if key not in self._fused_weights:  # checked once per dtype, row bucket and set of tensors
             self._fused_weights[key] = self._fused_weights_for(x, norm)
-        weights = self._fused_weights[key]
-        if weights is None:
-            return None
-        return cpu_ops.attention_block(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                                       weights)
+        return self._fused_weights[key]
 
     def _fused_weights_for(self, x: torch.Tensor, norm: RMSNorm) -> tuple | None:
         if self.qkv_proj.weight.dtype != torch.bfloat16 \
@@ -119,6 +123,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
+
+    def fused_weights(self, x: torch.Tensor, meta: AttentionMetadata) -> tuple | None:
+        """This layer as one entry of cpu_ops.decoder_layers' `layers`, or None where its fused halves cannot run
+        these inputs (or its MLP has no fused half)."""
+        fused = getattr(self.mlp, "fused_weights", None)
+        attn = self.self_attn.fused_weights(x, self.input_layernorm, meta) if fused is not None else None
+        mlp = fused(x, x, self.post_attention_layernorm) if attn is not None else None
+        return None if mlp is None else (attn, mlp, *self.mlp.load_tensors())
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         a = self.self_attn.fused_decode(x, self.input_layernorm, meta)
@@ -175,9 +187,24 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, meta)
+        layers = self._fused_layers(x, meta)
+        if layers is not None:
+            x = cpu_ops.decoder_layers(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                       layers)
+        else:
+            for layer in self.layers:
+                x = layer(x, meta)
         return self.norm(x)
+
+    def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[tuple] | None:
+        """Every layer's DecoderLayer.fused_weights, or None unless all of them can run fused."""
+        layers = []
+        for layer in self.layers:
+            weights = layer.fused_weights(x, meta)
+            if weights is None:
+                return None
+            layers.append(weights)
+        return layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

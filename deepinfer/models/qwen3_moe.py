@@ -26,6 +26,13 @@ class SparseMoeBlock(RoutedMoE):
     def fused_residual(self, x: torch.Tensor, a: torch.Tensor, norm: RMSNorm) -> torch.Tensor | None:
         """x1 + self(norm(x1)) with x1 = x + a (the decoder layer's second half) in one C++ call
         (cpu_ops.moe_block); None where that cannot run these inputs (see _fused_weights_for)."""
+        weights = self.fused_weights(x, a, norm)
+        if weights is None:
+            return None
+        return cpu_ops.moe_block(x, a, weights, *self.load_tensors())
+
+    def fused_weights(self, x: torch.Tensor, a: torch.Tensor, norm: RMSNorm) -> tuple | None:
+        """cpu_ops.moe_block_weights for these inputs, or None where the fused half cannot run them."""
         if self.ep is not None or x.dim() != 2 or a.dtype != x.dtype \
                 or (self.eplb is not None and not self.eplb.placement.single[self.moe_index]):
             return None
@@ -34,15 +41,15 @@ class SparseMoeBlock(RoutedMoE):
                self.gate.weight.data_ptr(), experts.gate_up_proj.data_ptr(), experts.down_proj.data_ptr())
         if key not in self._fused_weights:  # checked once per dtype, row bucket and set of tensors
             self._fused_weights[key] = self._fused_weights_for(x, norm)
-        weights = self._fused_weights[key]
-        if weights is None:
-            return None
-        counts = log2phy = None
-        if self.eplb is not None:
-            recorder = self.eplb.recorder
-            counts = recorder.buf[recorder.pos, self.moe_index]
-            log2phy = self.eplb.placement.primary[self.moe_index]
-        return cpu_ops.moe_block(x, a, weights, counts, log2phy)
+        return self._fused_weights[key]
+
+    def load_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """moe_block's (counts, log2phy) this step: the EPLB recorder's row for this layer and the placement's
+        logical -> physical map, or (None, None) without EPLB."""
+        if self.eplb is None:
+            return None, None
+        recorder = self.eplb.recorder
+        return recorder.buf[recorder.pos, self.moe_index], self.eplb.placement.primary[self.moe_index]
 
     def _fused_weights_for(self, x: torch.Tensor, norm: RMSNorm) -> tuple | None:
         """cpu_ops.moe_block_weights where the C++ half-layer can run: CPU bf16 weights, no swiglu limit, and a
