@@ -238,6 +238,8 @@ def decoder_layers(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch
     """Decoder layers at decode in one call: x [T, hidden] -> after every layer's attention_block and moe_block
     in turn [T, hidden]; the inputs as attention_block's. layers: per layer (attention_block_weights(...),
     moe_block_weights(...), counts, log2phy) with counts and log2phy as moe_block's. See csrc/cpu/decoder_layers.h."""
+    if not layers:
+        raise ValueError("decoder_layers: no layers")
     dtype, hidden, _ = layers[0][0]
     if any(attn[:2] != (dtype, hidden) or moe[:2] != (dtype, hidden) for attn, moe, _, _ in layers):
         raise ValueError("decoder_layers: every layer's halves must share one activation dtype and hidden size")
