@@ -32,6 +32,11 @@ def test_cpu_features_name_the_kernels_that_run_here():
     assert ("amx" in dict(f["gemm_isas"])) == ({"amx_tile", "amx_bf16", "avx512_bf16"} <= flags)
     with pytest.raises(ValueError, match="isa"):
         linear_bf16(torch.randn(1, 8), torch.randn(4, 8).to(torch.bfloat16), isa="avx9000")
+    # Each fp32 ISA also runs in its panel form, which the plan times only from the bucket where it differs.
+    kernels = dict(f["gemm_isas"])
+    assert kernels["avx2-panels"] == kernels["avx2"] + 16 and ("avx512-panels" in kernels) == ("avx512" in kernels)
+    assert not any(p.endswith("-panels") for p in GemmPlan.cpu_paths(rows=gemm_plan.PANELS_MIN_BUCKET // 2))
+    assert "cpu-avx2-panels" in GemmPlan.cpu_paths(rows=gemm_plan.PANELS_MIN_BUCKET)
 
 
 def test_bucket_boundaries():

@@ -33,6 +33,9 @@ CAL_MAX_N = 4096  # wider outputs are timed on their first rows: the time is lin
 REPEATS = 3
 MIN_TIMED_S = 5e-4  # tiny GEMMs are looped to at least this long per timing
 PRUNE = 3.0
+# The panel form takes the outer products only from 10 rows (WIDE_MIN_ROWS in csrc/cpu/gemm_bf16.cpp), which
+# the bucket of 8 holds; below it the panel form is the tiles, and timing both would choose by noise alone.
+PANELS_MIN_BUCKET = 8
 # Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (4: "cpu-avx2"
 # and "cpu-avx512" no longer take the panel form, now a path of its own; 3: the widest ISA within ISA_MARGIN; 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
 PLAN_FORMAT = 4
@@ -107,10 +110,12 @@ class GemmPlan:
         self.model_shapes: set[tuple] = set()  # the last prepared model's shapes (plus any met later): what describe() lists
 
     @staticmethod
-    def cpu_paths(dtype: torch.dtype = torch.bfloat16) -> list[str]:
-        """Our kernel per ISA that keeps activations of this dtype exact (bf16 dot products only for bf16)."""
+    def cpu_paths(dtype: torch.dtype = torch.bfloat16, rows: int = 1) -> list[str]:
+        """Our kernel per ISA that keeps activations of this dtype exact (bf16 dot products only for bf16), with the
+        panel forms only for row buckets where they differ from the tiles."""
         return [f"cpu-{isa}" for isa in cpu_ops.GEMM_ISAS
-                if dtype == torch.bfloat16 or isa not in cpu_ops.BF16_INPUT_ISAS]
+                if (dtype == torch.bfloat16 or isa not in cpu_ops.BF16_INPUT_ISAS)
+                and (rows >= PANELS_MIN_BUCKET or not isa.endswith("-panels"))]
 
     @staticmethod
     def invariant_path() -> str:
@@ -193,7 +198,7 @@ class GemmPlan:
         gen = torch.Generator().manual_seed(0)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(dtype)
-            paths = self.cpu_paths(dtype) + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
+            paths = self.cpu_paths(dtype, m) + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
             _, times = fastest({p: (lambda p=p: run_linear(p, x, w_cal, None)) for p in paths})
             self.table[_key("linear", dtype, n, k, m)] = _choose(times)
             logger.debug("GEMM calibration linear %dx%d rows %d: %s", n, k, m, _fmt(times))
@@ -210,7 +215,7 @@ class GemmPlan:
             x = torch.randn(m * n_exp, h, generator=gen)
             counts = torch.full((n_exp,), m)
             cands = {p: (lambda p=p: cpu_ops.grouped_experts_bf16(x, counts, w13s, w2s, isa=p[4:]))
-                     for p in self.cpu_paths()}
+                     for p in self.cpu_paths(rows=m)}
             cands["torch-bf16"] = lambda: [torch_expert(x[i * m:(i + 1) * m], w13s[i], w2s[i], math.inf)
                                            for i in range(n_exp)]
             times = fastest(cands)[1]
