@@ -7,9 +7,10 @@
 
 namespace deepinfer {
 
-AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, void* out, int64_t T,
-                                     const int64_t* positions, const int64_t* slots, const int64_t* block_tables,
-                                     int64_t max_blocks, const int64_t* context_lens, bool bf16, int num_threads) {
+AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, void* out, const DecodeBatch& batch,
+                                     bool bf16, int num_threads) {
+  const int64_t T = batch.T, max_blocks = batch.max_blocks;
+  const int64_t *context_lens = batch.context_lens, *block_tables = batch.block_tables;
   for (int64_t t = 0; t < T; ++t) {
     if (context_lens[t] < 1 || context_lens[t] > max_blocks * b.block_size) return AttentionBlockStatus::BAD_CONTEXT_LEN;
     for (int64_t i = 0; i < (context_lens[t] + b.block_size - 1) / b.block_size; ++i)
@@ -22,7 +23,7 @@ AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, voi
   rms_norm(x, b.hidden, b.norm_w, h.data(), T, b.hidden, b.eps, bf16, num_threads);
   linear_bf16(h.data(), b.qkv, b.qkv_bias, qkv.data(), bf16, T, b.hidden, qkv_width, b.qkv_mode, num_threads);
   if (!qk_norm_rope_store(qkv.data(), qkv_width, T, b.heads, b.kv_heads, D, b.q_norm, b.k_norm, b.qk_eps, b.cos, b.sin,
-                          b.num_positions, positions, b.k_cache, b.v_cache, b.num_blocks * b.block_size, slots,
+                          b.num_positions, batch.positions, b.k_cache, b.v_cache, b.num_blocks * b.block_size, batch.slots,
                           q.data(), bf16, num_threads))
     return AttentionBlockStatus::BAD_POSITION_OR_SLOT;
   paged_decode_attention(q.data(), b.k_cache, b.v_cache, block_tables, context_lens, b.scale, attn.data(), bf16, T,

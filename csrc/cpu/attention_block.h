@@ -35,12 +35,20 @@ struct AttentionBlock {
 
 enum class AttentionBlockStatus : int { OK, BAD_POSITION_OR_SLOT, BAD_CONTEXT_LEN, BAD_BLOCK };
 
-// out [T, hidden] = o(attention(rope(norm(qkv(rms_norm(x)))))) for T decode tokens: token t at positions[t],
-// its key and value stored at slots[t], attending over its sequence's first context_lens[t] cached keys
-// through block_tables [T, max_blocks]. x and out fp32, or bf16 when bf16. Nothing is written when a
-// position, slot, context length or block id it would read is out of range.
-AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, void* out, int64_t T,
-                                     const int64_t* positions, const int64_t* slots, const int64_t* block_tables,
-                                     int64_t max_blocks, const int64_t* context_lens, bool bf16, int num_threads);
+// A decode step's T tokens, one per sequence: token t at positions[t], its key and value stored at slots[t],
+// attending over its sequence's first context_lens[t] cached keys through block_tables [T, max_blocks].
+struct DecodeBatch {
+  int64_t T = 0;
+  const int64_t* positions = nullptr;
+  const int64_t* slots = nullptr;
+  const int64_t* block_tables = nullptr;
+  int64_t max_blocks = 0;
+  const int64_t* context_lens = nullptr;
+};
+
+// out [T, hidden] = o(attention(rope(norm(qkv(rms_norm(x)))))) for the batch's tokens. x and out fp32, or bf16
+// when bf16. Nothing is written when a position, slot, context length or block id it would read is out of range.
+AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, void* out, const DecodeBatch& batch,
+                                     bool bf16, int num_threads);
 
 }  // namespace deepinfer

@@ -26,11 +26,10 @@ struct DecoderLayersStatus {
   AttentionBlockStatus attention = AttentionBlockStatus::OK;
 };
 
-// x [T, hidden] -> out [T, hidden] through the layers in order (x is not written); the other inputs as
+// x [T, hidden] -> out [T, hidden] through the layers in order (x is not written); the batch and dtype as
 // attention_block's, shared by every layer. On failure out is unspecified and the earlier layers' KV stays
 // stored, as when the unfused path raises in a later layer.
-DecoderLayersStatus decoder_layers(const std::vector<DecoderLayer>& layers, const void* x, void* out, int64_t T,
-                                   const int64_t* positions, const int64_t* slots, const int64_t* block_tables,
-                                   int64_t max_blocks, const int64_t* context_lens, bool bf16, int num_threads);
+DecoderLayersStatus decoder_layers(const std::vector<DecoderLayer>& layers, const void* x, void* out,
+                                   const DecodeBatch& batch, bool bf16, int num_threads);
 
 }  // namespace deepinfer

@@ -44,6 +44,12 @@ GemmMode gemm_mode(int id, bool invariant) {
   throw py::value_error("unknown GEMM kernel id " + std::to_string(id));
 }
 
+DecodeBatch decode_batch(int64_t T, uintptr_t positions, uintptr_t slots, uintptr_t block_tables, int64_t max_blocks,
+                         uintptr_t context_lens) {
+  return {T, reinterpret_cast<const int64_t*>(positions), reinterpret_cast<const int64_t*>(slots),
+          reinterpret_cast<const int64_t*>(block_tables), max_blocks, reinterpret_cast<const int64_t*>(context_lens)};
+}
+
 // attention_block's failures as Python errors, prefixed by where they happened.
 void raise_attention_status(AttentionBlockStatus status, const AttentionBlock& b, int64_t max_blocks,
                             const std::string& where) {
@@ -169,10 +175,9 @@ void bind_cpu_kernels(py::module_& m) {
         AttentionBlockStatus status;
         {
           py::gil_scoped_release release;
-          status = attention_block(b, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), T,
-                                   reinterpret_cast<const int64_t*>(positions), reinterpret_cast<const int64_t*>(slots),
-                                   reinterpret_cast<const int64_t*>(block_tables), max_blocks,
-                                   reinterpret_cast<const int64_t*>(context_lens), bf16, threads);
+          status = attention_block(b, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out),
+                                   decode_batch(T, positions, slots, block_tables, max_blocks, context_lens), bf16,
+                                   threads);
         }
         raise_attention_status(status, b, max_blocks, "attention_block");
       },
@@ -207,10 +212,9 @@ void bind_cpu_kernels(py::module_& m) {
         DecoderLayersStatus status;
         {
           py::gil_scoped_release release;
-          status = decoder_layers(layers, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), T,
-                                  reinterpret_cast<const int64_t*>(positions), reinterpret_cast<const int64_t*>(slots),
-                                  reinterpret_cast<const int64_t*>(block_tables), max_blocks,
-                                  reinterpret_cast<const int64_t*>(context_lens), bf16, threads);
+          status = decoder_layers(layers, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out),
+                                  decode_batch(T, positions, slots, block_tables, max_blocks, context_lens), bf16,
+                                  threads);
         }
         if (status.layer < 0) return;
         const std::string where = "decoder_layers: layer " + std::to_string(status.layer);
