@@ -9,9 +9,9 @@ fastest kept. Plans are cached on disk by CPU, torch version, extension build an
 The engine calibrates its model's shapes at start (`prepare`) and logs the table; a shape first met
 later is calibrated on that call.
 
-Paths: "cpu-<isa>" (our kernel, keys of cpu_ops.GEMM_ISAS; ISAs in cpu_ops.BF16_INPUT_ISAS for bf16 activations only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations
-only, as it rounds its input and output to bf16), "torch-fp32" (F.linear on widened weights: MKL's
-sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel (each ISA)
+Paths: "cpu-<isa>" (our kernel, keys of cpu_ops.GEMM_ISAS; ISAs in cpu_ops.BF16_INPUT_ISAS for bf16 activations
+only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations only, as it rounds its input and output to
+bf16), "torch-fp32" (F.linear on widened weights: MKL's sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel (each ISA)
 and torch-bf16, by the expert's row count.
 """
 import json
@@ -37,7 +37,8 @@ PRUNE = 3.0
 # the bucket of 8 holds; below it the panel form is the tiles, and timing both would choose by noise alone.
 PANELS_MIN_BUCKET = 8
 # Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (4: "cpu-avx2"
-# and "cpu-avx512" no longer take the panel form, now a path of its own; 3: the widest ISA within ISA_MARGIN; 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
+# and "cpu-avx512" no longer take the panel form, now a path of its own; 3: the widest ISA within ISA_MARGIN;
+# 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
 PLAN_FORMAT = 4
 
 
