@@ -77,6 +77,7 @@ class LLM:
         dicts with "prompt" or "prompt_token_ids". Returns one RequestOutput per prompt, in order."""
         items = self._normalise_prompts(prompts)
         params = self._normalise_params(sampling_params, len(items))
+        items = [(text, self._truncate(ids, p)) for (text, ids), p in zip(items, params)]
         for i, ((_, ids), p) in enumerate(zip(items, params)):
             self.engine.validate_request(i, ids, p)
         request_ids = []
@@ -133,6 +134,13 @@ class LLM:
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise ValueError(f"request {index}: prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}")
+
+    def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: max_model_len), as vLLM keeps them."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        return ids[-(self.engine.config.max_model_len if keep == -1 else keep):]
 
     @staticmethod
     def _normalise_params(params, n: int) -> list[SamplingParams]:

@@ -9,9 +9,17 @@ class SamplingParams:
     max_tokens: None means up to max_model_len. logprobs: number of top logprobs per token
     (the sampled token's is always included). stop: strings that end the text (excluded from
     it unless include_stop_str_in_output). stop_token_ids: tokens that end generation (kept in
-    token_ids)."""
+    token_ids). presence_penalty / frequency_penalty in [-2, 2] and repetition_penalty > 0 as in vLLM
+    (repetition reaches prompt and output tokens, the other two output tokens only). logit_bias: {token id:
+    bias} added to the logits, each bias clamped to [-100, 100]. allowed_token_ids: only these may be drawn.
+    bad_words: words never generated (their last token is banned after the rest). truncate_prompt_tokens:
+    keep only the prompt's last k tokens (-1: max_model_len). min_tokens: EOS and stop tokens are masked
+    until this many tokens exist."""
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -25,12 +33,18 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
         self._stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
 
     def _validate(self):
         def bad(name, why):
@@ -60,6 +74,26 @@ class SamplingParams:
             bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must hold non-negative integers")
+        self._validate_processors(bad)
+
+    def _validate_processors(self, bad):
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                bad(name, "must be in [-2, 2]")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0 < self.repetition_penalty < math.inf:
+            bad("repetition_penalty", "must be finite and > 0")
+        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or not all(
+                _is_bias(t, b) for t, b in self.logit_bias.items())):
+            bad("logit_bias", "must map token ids (>= 0; OpenAI's digit strings too) to numbers")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not _is_token(t) for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be None or a non-empty list of token ids (>= 0)")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", "must hold non-empty strings")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or not (t >= 1 or t == -1)):
+            bad("truncate_prompt_tokens", "must be None, -1 (max_model_len) or an integer >= 1")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -68,3 +102,13 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _is_bias(token, bias) -> bool:
+    """A logit_bias entry: token id as an int or OpenAI's digit string, bias a number."""
+    is_id = _is_token(token) or isinstance(token, str) and token.isdigit()
+    return is_id and isinstance(bias, (int, float)) and not math.isnan(bias)

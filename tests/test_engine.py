@@ -208,11 +208,14 @@ def test_missing_and_misshapen_weights_name_the_tensor(tmp_path, tiny_llama):
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                     SamplingParams(temperature=0.9, seed=4, max_tokens=8, ignore_eos=True),
-                                    SamplingParams(temperature=1.1, top_k=8, max_tokens=8, ignore_eos=True)],
-                         ids=["greedy", "seeded", "unseeded"])
+                                    SamplingParams(temperature=1.1, top_k=8, max_tokens=8, ignore_eos=True),
+                                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                   repetition_penalty=1.5, presence_penalty=1.0)],
+                         ids=["greedy", "seeded", "unseeded", "penalties"])
 def test_prompt_to_completion_handoff_matches_normal(tiny_llama, params):
     """The sequence's sampling seed travels with the handoff: sampled outputs match a NORMAL engine's
-    (for unseeded requests both derive it from the engine seed and the request id)."""
+    (for unseeded requests both derive it from the engine seed and the request id); so do the prompt and
+    first token that the penalties read."""
     ps = prompts(4, seed=3)
     kw = dict(dtype="float32", kv_cache_memory=16 << 20, block_size=4)
     normal = LLM(tiny_llama, **kw).generate(ps, params, use_tqdm=False)

@@ -17,6 +17,7 @@ from deepinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_strin
 from deepinfer.engine.eplb import EplbConfig, EplbState
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.layers import gemm_plan
+from deepinfer.layers.logits_processors import LogitsContext, bad_words_token_ids, needs_processing
 from deepinfer.layers.moe import balanced_moe_blocks
 from deepinfer.layers.sampler import SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
@@ -46,6 +47,7 @@ class SeqState:
     stop_reason: int | str | None = None
     error: str | None = None
     detokenizer: IncrementalDetokenizer | None = None  # None: the model ships no tokenizer
+    logits_ctx: LogitsContext | None = None  # None: no logits processor touches this request
 
 
 @dataclass
@@ -144,15 +146,28 @@ class LLMEngine:
             raise ValueError(f"request {index}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {index}: stop strings need a tokenizer and the model ships none")
+        self._validate_processors(index, params)
+
+    def _validate_processors(self, index: int, params: SamplingParams) -> None:
+        token_lists = {"logit_bias": params.logit_bias or {}, "allowed_token_ids": params.allowed_token_ids or []}
+        for name, ids in token_lists.items():
+            bad = [t for t in ids if not t < self.vocab_size]
+            if bad:
+                raise ValueError(f"request {index}: SamplingParams.{name} has token id {bad[0]}, outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"request {index}: SamplingParams.bad_words needs a tokenizer and the model ships none")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
         limits = self._limits(params)
+        logits_ctx = self._logits_context(params, prompt_token_ids)
         seq_ids = []
         for index in range(params.n):
             seq_id = next(self._seq_counter)
             seed = self.sequence_seed(request_id, params, index)
-            self.seqs[seq_id] = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params))
+            self.seqs[seq_id] = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
+                                         logits_ctx=logits_ctx)
             self.scheduler.add_sequence(seq_id, prompt_token_ids, limits)
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
@@ -171,6 +186,13 @@ class LLMEngine:
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+
+    def _logits_context(self, params: SamplingParams, prompt_token_ids: list[int]) -> LogitsContext | None:
+        if not needs_processing(params):
+            return None
+        words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        stops = ([] if params.ignore_eos else self.eos_token_ids()) + params.stop_token_ids
+        return LogitsContext(params, list(prompt_token_ids), words, stops)
 
     def _limits(self, params: SamplingParams):
         """What the C++ output processing needs to stop a sequence."""
@@ -238,7 +260,14 @@ class LLMEngine:
             seeds=[s.seed for s in states],
             offsets=torch.tensor([len(s.token_ids) for s in states], dtype=torch.int64),
             num_logprobs=max(logprobs) if logprobs else -1,
+            logits_rows=self._logits_rows(states),
         )
+
+    @staticmethod
+    def _logits_rows(states: list[SeqState]) -> list | None:
+        if all(s.logits_ctx is None for s in states):
+            return None
+        return [None if s.logits_ctx is None else (s.logits_ctx, s.token_ids) for s in states]
 
     def _apply(self, first: int, res, out) -> bool:
         """Records one sequence's step result (its tokens' logprobs are rows first.. of out); returns
@@ -258,7 +287,7 @@ class LLMEngine:
             state.finish_reason = _REASONS[res.reason]
             state.stop_reason = res.stop_token if res.stop_token >= 0 else None
             if res.reason == _C.FinishReason.ERROR:
-                state.error = "non-finite logits"
+                state.error = "non-finite logits, or the request's logits processors masked every token"
         if state.params.stop_strings and self._hit_stop_string(state, res.finished) and not res.finished:
             self.scheduler.finish(res.seq_id, _C.FinishReason.STOP)
         return state.finish_reason is not None
@@ -352,7 +381,7 @@ class LLMEngine:
         seq = self.scheduler.sequence(seq_id)
         self.cache.load(list(seq.block_table), seq.state_slot, h.kv)
         state = SeqState(h.request_id, 0, p, h.seed, token_ids=h.token_ids[len(h.prompt_token_ids):],
-                         detokenizer=self._detokenizer(p))
+                         detokenizer=self._detokenizer(p), logits_ctx=self._logits_context(p, h.prompt_token_ids))
         self.seqs[seq_id] = state
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(h.prompt_token_ids))
         self.requests[h.request_id] = Request(h.request_id, None, h.prompt_token_ids, [seq_id], metrics)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.layers import cpu_ops
+from deepinfer.layers.logits_processors import apply_processors
 from tilelang_ops.dispatch import get_op
 
 
@@ -18,7 +19,9 @@ class SamplingBatch:
     temperature, top_p, min_p [B] fp32; top_k [B] int64 (<= 0 disables);
     seeds: per row the sequence's sampling seed, an int64 (LLMEngine.sequence_seed);
     offsets [B] int64: tokens the sequence has generated so far;
-    num_logprobs: max top logprobs requested in the batch (-1: none)."""
+    num_logprobs: max top logprobs requested in the batch (-1: none);
+    logits_rows: per row (LogitsContext, output token ids) for a row with logits processors, else None;
+    None for the whole batch when no row has any (layers/logits_processors.py)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -27,11 +30,13 @@ class SamplingBatch:
     seeds: list
     offsets: torch.Tensor
     num_logprobs: int
+    logits_rows: list | None = None
 
     def row(self, i: int) -> "SamplingBatch":
         """The parameters of row i alone."""
         return SamplingBatch(self.temperature[i:i + 1], self.top_k[i:i + 1], self.top_p[i:i + 1],
-                             self.min_p[i:i + 1], [self.seeds[i]], self.offsets[i:i + 1], self.num_logprobs)
+                             self.min_p[i:i + 1], [self.seeds[i]], self.offsets[i:i + 1], self.num_logprobs,
+                             None if self.logits_rows is None else self.logits_rows[i:i + 1])
 
     @property
     def all_greedy(self) -> bool:
@@ -57,14 +62,24 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] fp32."""
         logits = logits.float()
-        if batch.all_greedy and batch.num_logprobs < 0 and logits.is_contiguous() and logits.device.type == "cpu":
+        if (batch.all_greedy and batch.num_logprobs < 0 and batch.logits_rows is None and logits.is_contiguous()
+                and logits.device.type == "cpu"):
             return SamplerOutput(cpu_ops.greedy_tokens(logits), None, None, None, None)  # one pass, not four
         finite = finite_rows(logits)
         if not bool(finite.all()):
             logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
-        tokens = logits.argmax(-1) if batch.all_greedy else self._sample(logits, batch)
+        tokens = self.draw(logits, batch)
         tokens = torch.where(finite, tokens, torch.full_like(tokens, -1))
         return self.logprobs(logits, tokens, batch.num_logprobs)
+
+    def draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] fp32, finite -> [B] int64 tokens drawn from the processed logits; -1 where the
+        processors masked every token."""
+        if batch.logits_rows is None:
+            return logits.argmax(-1) if batch.all_greedy else self._sample(logits, batch)
+        scores = apply_processors(logits, batch.logits_rows)
+        tokens = scores.argmax(-1) if batch.all_greedy else self._sample(scores, batch)
+        return torch.where(scores.amax(-1) > float("-inf"), tokens, torch.full_like(tokens, -1))
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """A row's draw depends only on (its sequence's seed, tokens generated so far), so a sequence
