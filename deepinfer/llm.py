@@ -75,11 +75,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
         dicts with "prompt" or "prompt_token_ids". Returns one RequestOutput per prompt, in order."""
-        items = self._normalise_prompts(prompts)
-        params = self._normalise_params(sampling_params, len(items))
-        items = [(text, self._truncate(ids, p)) for (text, ids), p in zip(items, params)]
-        for i, ((_, ids), p) in enumerate(zip(items, params)):
-            self.engine.validate_request(i, ids, p)
+        prompts = self._prompt_list(prompts)
+        params = self._normalise_params(sampling_params, len(prompts))
+        items = [self.prepare_request(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
         request_ids = []
         for (text, ids), p in zip(items, params):
             request_ids.append(str(self._request_counter))
@@ -95,10 +93,13 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """messages: one conversation (list of {"role", "content"}) or a list of them; the chat
         template comes from the model's tokenizer."""
-        tok = self._require_tokenizer("chat")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params, use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict]) -> str:
+        """One conversation as the prompt text its model's chat template makes of it, ready for a reply."""
+        tok = self._require_tokenizer("chat")
+        return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
@@ -117,12 +118,22 @@ class LLM:
         bar.close()
         return outputs
 
-    def _normalise_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
+    def prepare_request(self, index: int, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """One prompt (a string, token ids or a dict, see generate) -> (text, the token ids the engine runs:
+        tokenised, cut to truncate_prompt_tokens). Raises ValueError naming request `index` if the engine
+        would refuse it; changes no state."""
+        text, ids = self._one_prompt(index, prompt)
+        ids = self._truncate(ids, params)
+        self.engine.validate_request(index, ids, params)
+        return text, ids
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty string, list of strings, or list of token-id lists")
-        return [self._one_prompt(i, p) for i, p in enumerate(prompts)]
+        return list(prompts)
 
     def _one_prompt(self, index: int, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -1,0 +1,136 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) to a prompt and SamplingParams, and
+RequestOutputs back to OpenAI response bodies, with vLLM's extra sampling fields accepted as vLLM does."""
+import time
+import uuid
+
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# Body fields that map one to one onto SamplingParams (OpenAI's and vLLM's extra ones).
+_SAME_NAME = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+              "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+              "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "skip_special_tokens",
+              "include_stop_str_in_output")
+# Fields whose non-default values this offline runner cannot honour.
+_UNSUPPORTED = {"stream": False, "echo": False, "suffix": None, "tools": None, "response_format": None,
+                "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None}
+
+
+class RequestError(ValueError):
+    """A request the runner answers with an error object: code is OpenAI's error code."""
+
+    def __init__(self, message: str, code: str = "invalid_request_error"):
+        super().__init__(message)
+        self.code = code
+
+
+def sampling_params(url: str, body: dict) -> SamplingParams:
+    """An OpenAI body -> SamplingParams. Raises RequestError naming the field."""
+    for name, default in _UNSUPPORTED.items():
+        if body.get(name, default) != default:
+            raise RequestError(f"'{name}' is not supported by deepinfer run-batch")
+    if body.get("best_of") not in (None, body.get("n", 1)):
+        raise RequestError("'best_of' other than n is not supported")
+    kwargs = {k: body[k] for k in _SAME_NAME if body.get(k) is not None}
+    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+    # OpenAI's defaults: 16 tokens for completions; chat runs up to max_model_len.
+    kwargs["max_tokens"] = 16 if limit is None and url == COMPLETIONS else limit
+    if url == COMPLETIONS:
+        kwargs["logprobs"] = body.get("logprobs")
+    elif body.get("logprobs"):
+        kwargs["logprobs"] = body.get("top_logprobs") or 0
+    try:
+        return SamplingParams(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise RequestError(str(e)) from e
+
+
+def prompt_of(url: str, body: dict, chat_prompt):
+    """The prompt to generate from: completions' "prompt" (one string or one token-id list), or chat
+    "messages" rendered by chat_prompt (LLM.chat_prompt) after text parts are joined."""
+    if url == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if not (isinstance(prompt, str) or isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            raise RequestError("'prompt' must be one string or one list of token ids per batch line")
+        return prompt
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list")
+    return chat_prompt([_message(i, m) for i, m in enumerate(messages)])
+
+
+def _message(index: int, message) -> dict:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestError(f"messages[{index}] must be an object with a 'role'")
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise RequestError(f"messages[{index}].content: only 'text' parts are supported")
+        content = "".join(p.get("text", "") for p in content)
+    if not isinstance(content, str):
+        raise RequestError(f"messages[{index}].content must be a string or a list of text parts")
+    return {"role": message["role"], "content": content}
+
+
+def response_body(url: str, out: RequestOutput, params: SamplingParams, model: str, decode) -> dict:
+    """An OpenAI completion or chat.completion object for the request's output; decode(token_id) -> its text
+    (for logprob entries)."""
+    completions = url == COMPLETIONS
+    top = params.logprobs or 0
+    choices = [_completion_choice(c, top, decode) if completions else _chat_choice(c, top, decode)
+               for c in out.outputs]
+    generated = sum(len(c.token_ids) for c in out.outputs)
+    prompt = len(out.prompt_token_ids)
+    return {"id": f"{'cmpl' if completions else 'chatcmpl'}-{uuid.uuid4().hex}",
+            "object": "text_completion" if completions else "chat.completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}}
+
+
+def _completion_choice(c, top: int, decode) -> dict:
+    logprobs = None
+    if c.logprobs is not None:
+        tokens = [decode(t) for t in c.token_ids]
+        logprobs = {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(c.token_ids, c.logprobs)],
+                    "top_logprobs": [_text_keyed(_top(e, top, lambda tok, lp: (decode(tok), lp.logprob)))
+                                     for e in c.logprobs],
+                    "text_offset": _offsets(tokens)}
+    return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason}
+
+
+def _chat_choice(c, top: int, decode) -> dict:
+    logprobs = None
+    if c.logprobs is not None:
+        def entry(tok, lp):
+            text = decode(tok)
+            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        logprobs = {"content": [dict(entry(t, e[t]), top_logprobs=_top(e, top, entry))
+                                for t, e in zip(c.token_ids, c.logprobs)]}
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+def _top(entry: dict, n: int, make) -> list:
+    """The n most likely tokens of one position, in rank order (the entry also holds the sampled token)."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+    return [make(tok, lp) for tok, lp in ranked if lp.rank <= n]
+
+
+def _text_keyed(pairs: list) -> dict:
+    """OpenAI's {token text: logprob}; where two tokens decode alike (partial UTF-8 bytes) the likelier stays."""
+    out = {}
+    for text, logprob in pairs:
+        out.setdefault(text, logprob)
+    return out
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return offsets

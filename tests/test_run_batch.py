@@ -1,0 +1,123 @@
+"""`python -m deepinfer run-batch`: OpenAI batch lines in, OpenAI results out in input order, each good line
+equal to LLM.generate / LLM.chat with the same parameters, each bad line an error object naming its fault."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "the quick"}]}]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_qwen3_moe):
+    """The tiny Qwen3-MoE with a chat template in its tokenizer config."""
+    path = tiny_qwen3_moe + "_chat"
+    shutil.copytree(tiny_qwen3_moe, path, dirs_exist_ok=True)
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["chat_template"] = TEMPLATE
+    json.dump(cfg, open(cfg_path, "w"))
+    return path
+
+
+def line(custom_id, url, **body):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+GOOD = [
+    line("text", "/v1/completions", model="tiny", prompt="the quick", temperature=0, max_tokens=5, logprobs=2),
+    line("ids", "/v1/completions", prompt=[5, 6, 7], temperature=0.8, seed=3, max_tokens=7, ignore_eos=True,
+         repetition_penalty=1.3, logit_bias={"9": 4.0}),
+    line("chat", "/v1/chat/completions", messages=CHAT, temperature=0, max_completion_tokens=6, logprobs=True,
+         top_logprobs=2),
+]
+BAD = {
+    "not json": "{oops",
+    "url": line("url", "/v1/embeddings", input="x"),
+    "temperature": line("temperature", "/v1/completions", prompt="x", temperature=-1),
+    "model": line("model", "/v1/completions", model="gpt-4", prompt="x"),
+    "vocab": line("vocab", "/v1/completions", prompt=[5, 10 ** 6]),
+    "stream": line("stream", "/v1/chat/completions", messages=CHAT, stream=True),
+    "messages": line("messages", "/v1/chat/completions", messages=[{"content": "no role"}]),
+}
+
+
+def expected(llm):
+    """The good lines run through the Python API."""
+    text = llm.generate(["the quick"], SamplingParams(temperature=0, max_tokens=5, logprobs=2), use_tqdm=False)[0]
+    ids = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.8, seed=3, max_tokens=7, ignore_eos=True,
+                                                   repetition_penalty=1.3, logit_bias={9: 4.0}), use_tqdm=False)[0]
+    chat = llm.chat(CHAT[:1] + [{"role": "user", "content": "the quick"}],
+                    SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0]
+    return text, ids, chat
+
+
+def run_cli(tmp_path, model, lines, *extra):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n\n")
+    cmd = [sys.executable, "-m", "deepinfer", "run-batch", "-i", str(src), "-o", str(dst), "--model", model,
+           "--served-model-name", "tiny", model, "--dtype", "float32", "--kv-cache-memory", str(16 << 20),
+           "--block-size", "4", "--num-threads", "1", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [json.loads(t) for t in dst.read_text().splitlines()], proc.stderr
+
+
+def test_run_batch_answers_every_line_in_order(tmp_path, chat_model):
+    lines = [GOOD[0], BAD["not json"], GOOD[1], BAD["url"], BAD["temperature"], GOOD[2], BAD["model"],
+             BAD["vocab"], BAD["stream"], BAD["messages"]]
+    results, stderr = run_cli(tmp_path, chat_model, lines)
+    assert "Processed prompts" in stderr and "10 requests, 7 failed" in stderr
+    assert [r["custom_id"] for r in results] == ["text", None, "ids", "url", "temperature", "chat", "model",
+                                                 "vocab", "stream", "messages"]
+    text, ids, chat = expected(LLM(chat_model, dtype="float32", kv_cache_memory=16 << 20, block_size=4))
+
+    completion = results[0]["response"]["body"]
+    assert results[0]["error"] is None and results[0]["response"]["status_code"] == 200
+    assert completion["object"] == "text_completion" and completion["model"] == "tiny"
+    choice = completion["choices"][0]
+    assert choice["text"] == text.outputs[0].text and choice["finish_reason"] == text.outputs[0].finish_reason
+    assert choice["logprobs"]["token_logprobs"] == [e[t].logprob for t, e in
+                                                    zip(text.outputs[0].token_ids, text.outputs[0].logprobs)]
+    for top, entry in zip(choice["logprobs"]["top_logprobs"], text.outputs[0].logprobs):
+        # OpenAI's {token text: logprob}: two tokens that decode alike share a key
+        best = [lp.logprob for lp in entry.values() if lp.rank <= 2]
+        assert 1 <= len(top) <= 2 and max(top.values()) == max(best) and set(top.values()) <= set(best)
+    assert completion["usage"] == {"prompt_tokens": len(text.prompt_token_ids), "completion_tokens": 5,
+                                   "total_tokens": len(text.prompt_token_ids) + 5}
+
+    sampled = results[2]["response"]["body"]["choices"][0]
+    assert sampled["text"] == ids.outputs[0].text and results[2]["response"]["body"]["usage"]["completion_tokens"] == 7
+
+    reply = results[5]["response"]["body"]
+    assert reply["object"] == "chat.completion"
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": chat.outputs[0].text}
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [e[t].logprob for t, e in
+                                               zip(chat.outputs[0].token_ids, chat.outputs[0].logprobs)]
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] >= c["top_logprobs"][1]["logprob"]
+               for c in content)
+
+    errors = {i: results[i] for i in (1, 3, 4, 6, 7, 8, 9)}
+    for r in errors.values():
+        assert r["response"]["body"] is None and r["error"]["message"]
+    assert errors[1]["error"]["code"] == "invalid_json"
+    assert "/v1/embeddings" in errors[3]["error"]["message"]
+    assert "SamplingParams.temperature" in errors[4]["error"]["message"]
+    assert errors[6]["response"]["status_code"] == 404 and errors[6]["error"]["code"] == "model_not_found"
+    assert "outside the vocabulary" in errors[7]["error"]["message"]
+    assert "'stream'" in errors[8]["error"]["message"] and "messages[0]" in errors[9]["error"]["message"]
+    assert all(r["response"]["status_code"] == 400 for i, r in errors.items() if i != 6)
+
+
+def test_a_batch_of_only_bad_lines_still_writes_every_result(tmp_path, chat_model):
+    results, _ = run_cli(tmp_path, chat_model, [BAD["url"], BAD["not json"]], "--disable-progress-bar")
+    assert [r["error"]["code"] for r in results] == ["invalid_request_error", "invalid_json"]
