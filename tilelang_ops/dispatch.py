@@ -18,6 +18,7 @@ OPS = {
 # name -> "module:function" of a C++ CPU kernel with the reference's arguments and result.
 CPU_KERNELS = {
     "v4_decode_attention": "deepinfer.layers.cpu_ops:v4_decode_attention",
+    "apply_token_mask": "deepinfer.layers.cpu_ops:apply_token_mask",
 }
 
 

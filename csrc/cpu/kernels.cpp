@@ -230,6 +230,13 @@ void bind_cpu_kernels(py::module_& m) {
       py::call_guard<py::gil_scoped_release>(),
       "tokens [B] int64 = first argmax of each row of logits [B,V] fp32, -1 for a row with NaN or inf");
   m.def(
+      "apply_token_mask",
+      [](uintptr_t logits, uintptr_t bitmask, int64_t B, int64_t V, int threads) {
+        apply_token_mask(reinterpret_cast<float*>(logits), reinterpret_cast<const int32_t*>(bitmask), B, V, threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "logits [B,V] fp32 = -inf where the token's bit in bitmask [B,ceil(V/32)] int32 is clear, in place");
+  m.def(
       "rms_norm",
       [](uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t rows, int64_t n, float eps, bool bf16,
          int threads) {

@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -52,6 +53,27 @@ int64_t row_argmax(const float* row, int64_t V) {
 void greedy_tokens(const float* logits, int64_t B, int64_t V, int64_t* tokens, int num_threads) {
   parallel_ranges(B, threads_for(B * V, num_threads, 1 << 20), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) tokens[b] = row_argmax(logits + b * V, V);
+  });
+}
+
+void apply_token_mask(float* logits, const int32_t* bitmask, int64_t B, int64_t V, int num_threads) {
+  const int64_t W = (V + 31) / 32;
+  parallel_ranges(B, threads_for(B * V, num_threads, 1 << 20), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* row = logits + b * V;
+      for (int64_t w = 0; w < W; ++w) {
+        // Grammar rows are mostly all-clear words and free rows all-set ones: both skip the bit loop.
+        const uint32_t bits = static_cast<uint32_t>(bitmask[b * W + w]);
+        const int64_t n = std::min<int64_t>(32, V - 32 * w);
+        float* x = row + 32 * w;
+        if (bits == 0xffffffffu) continue;
+        if (bits == 0) {
+          std::fill(x, x + n, -INFINITY);
+          continue;
+        }
+        for (int64_t j = 0; j < n; ++j) x[j] = ((bits >> j) & 1u) ? x[j] : -INFINITY;  // a blend, no branch
+      }
+    }
   });
 }
 

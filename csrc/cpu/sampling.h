@@ -9,4 +9,8 @@ namespace deepinfer {
 // NaN or an infinity. logits [B, V] fp32, rows V apart.
 void greedy_tokens(const float* logits, int64_t B, int64_t V, int64_t* tokens, int num_threads);
 
+// Structured outputs: logits[b, v] = -inf where bit v % 32 of bitmask[b, v / 32] is clear (xgrammar's
+// layout). logits [B, V] fp32, bitmask [B, ceil(V / 32)] int32.
+void apply_token_mask(float* logits, const int32_t* bitmask, int64_t B, int64_t V, int num_threads);
+
 }  // namespace deepinfer

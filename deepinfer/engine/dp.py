@@ -375,6 +375,7 @@ class DPEngine:
             raise ValueError(f"LLM(engine_type={config.engine_type!r}) is not supported with data_parallel_size > 1; "
                              "DP ranks run engine_type='normal'")
         self.spec = None  # read by LLMEngine.validate_request
+        self._grammars = None  # LLMEngine.grammar_compiler's cache
         self.balancer = DecodeBalancer(data_parallel_size)
         self._queued: list = []
         self._outstanding: dict[str, tuple[int, int]] = {}  # request_id -> (rank, kv length)
@@ -407,6 +408,8 @@ class DPEngine:
 
     # LLMEngine's checks need only config, vocab_size and tokenizer, which the front has.
     validate_request = LLMEngine.validate_request
+    _validate_processors = LLMEngine._validate_processors
+    grammar_compiler = LLMEngine.grammar_compiler
     eos_token_ids = LLMEngine.eos_token_ids
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,

@@ -18,6 +18,7 @@ from deepinfer.engine.eplb import EplbConfig, EplbState
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.layers import gemm_plan
 from deepinfer.layers.logits_processors import LogitsContext, bad_words_token_ids, needs_processing
+from deepinfer.layers.structured_output import GrammarCompiler, SequenceGrammar
 from deepinfer.layers.moe import balanced_moe_blocks
 from deepinfer.layers.sampler import SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
@@ -48,6 +49,7 @@ class SeqState:
     error: str | None = None
     detokenizer: IncrementalDetokenizer | None = None  # None: the model ships no tokenizer
     logits_ctx: LogitsContext | None = None  # None: no logits processor touches this request
+    grammar: SequenceGrammar | None = None  # structured outputs: where the sequence is in its grammar
 
 
 @dataclass
@@ -104,6 +106,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Handoff] = []
         self._seq_counter = itertools.count()
+        self._grammars: GrammarCompiler | None = None
         self.num_steps = {"prefill": 0, "decode": 0}
 
     def _make_eplb(self) -> EplbState | None:
@@ -157,6 +160,20 @@ class LLMEngine:
                                  f"vocabulary [0, {self.vocab_size})")
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"request {index}: SamplingParams.bad_words needs a tokenizer and the model ships none")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"request {index}: SamplingParams.structured_outputs needs a tokenizer and the "
+                                 "model ships none")
+            try:
+                self.grammar_compiler().compile(params.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"request {index}: {e}") from e
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Made on the first structured request (xgrammar reads the whole vocabulary once)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids())
+        return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
@@ -167,7 +184,7 @@ class LLMEngine:
             seq_id = next(self._seq_counter)
             seed = self.sequence_seed(request_id, params, index)
             self.seqs[seq_id] = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
-                                         logits_ctx=logits_ctx)
+                                         logits_ctx=logits_ctx, grammar=self._grammar(params, []))
             self.scheduler.add_sequence(seq_id, prompt_token_ids, limits)
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
@@ -193,6 +210,14 @@ class LLMEngine:
         words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         stops = ([] if params.ignore_eos else self.eos_token_ids()) + params.stop_token_ids
         return LogitsContext(params, list(prompt_token_ids), words, stops)
+
+    def _grammar(self, params: SamplingParams, outputs: list[int]) -> SequenceGrammar | None:
+        """A sequence's matcher, advanced over the outputs it already has (an imported sequence's first token)."""
+        if params.structured_outputs is None:
+            return None
+        grammar = self.grammar_compiler().matcher(params.structured_outputs)
+        grammar.accept(outputs)
+        return grammar
 
     def _limits(self, params: SamplingParams):
         """What the C++ output processing needs to stop a sequence."""
@@ -261,6 +286,7 @@ class LLMEngine:
             offsets=torch.tensor([len(s.token_ids) for s in states], dtype=torch.int64),
             num_logprobs=max(logprobs) if logprobs else -1,
             logits_rows=self._logits_rows(states),
+            grammars=None if all(s.grammar is None for s in states) else [s.grammar for s in states],
         )
 
     @staticmethod
@@ -288,9 +314,23 @@ class LLMEngine:
             state.stop_reason = res.stop_token if res.stop_token >= 0 else None
             if res.reason == _C.FinishReason.ERROR:
                 state.error = "non-finite logits, or the request's logits processors masked every token"
+        if state.grammar is not None and res.tokens:
+            self._advance_grammar(res.seq_id, state, res.tokens, res.finished)
         if state.params.stop_strings and self._hit_stop_string(state, res.finished) and not res.finished:
             self.scheduler.finish(res.seq_id, _C.FinishReason.STOP)
         return state.finish_reason is not None
+
+    def _advance_grammar(self, seq_id: int, state: SeqState, tokens: list[int], finished: bool) -> None:
+        """Accepts the step's tokens; a completed grammar ends the sequence with "stop" (its stop token was
+        drawn, also under ignore_eos)."""
+        if not state.grammar.accept(tokens):  # only a masked-out draw could do this
+            state.finish_reason, state.error = "error", f"token outside the grammar in {tokens}"
+        elif state.grammar.terminated and state.finish_reason is None:
+            state.finish_reason = "stop"
+        else:
+            return
+        if not finished:
+            self.scheduler.finish(seq_id, _C.FinishReason.STOP)
 
     def _record_logprobs(self, state: SeqState, first: int, tokens: list[int], out) -> None:
         if out.token_logprob is None:
@@ -381,7 +421,8 @@ class LLMEngine:
         seq = self.scheduler.sequence(seq_id)
         self.cache.load(list(seq.block_table), seq.state_slot, h.kv)
         state = SeqState(h.request_id, 0, p, h.seed, token_ids=h.token_ids[len(h.prompt_token_ids):],
-                         detokenizer=self._detokenizer(p), logits_ctx=self._logits_context(p, h.prompt_token_ids))
+                         detokenizer=self._detokenizer(p), logits_ctx=self._logits_context(p, h.prompt_token_ids),
+                         grammar=self._grammar(p, h.token_ids[len(h.prompt_token_ids):]))
         self.seqs[seq_id] = state
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(h.prompt_token_ids))
         self.requests[h.request_id] = Request(h.request_id, None, h.prompt_token_ids, [seq_id], metrics)

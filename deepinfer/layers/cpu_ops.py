@@ -261,6 +261,19 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """tilelang_ops.token_mask.apply_token_mask_ref's arguments and result: logits [B, V] fp32 set to -inf in
+    place where bitmask [B, ceil(V/32)] int32 clears the token's bit; returns logits."""
+    _check(logits, "logits", torch.float32, 2)
+    _check(bitmask, "bitmask", torch.int32, 2)
+    B, V = logits.shape
+    if bitmask.shape != (B, (V + 31) // 32):
+        raise ValueError(f"apply_token_mask: bitmask must be [{B}, {(V + 31) // 32}] for logits [{B}, {V}], "
+                         f"got {tuple(bitmask.shape)}")
+    _C.apply_token_mask(logits.data_ptr(), bitmask.data_ptr(), B, V, platform.kernel_threads())
+    return logits
+
+
 def fast_path(*tensors: torch.Tensor | None) -> bool:
     """Whether the C++ kernels take these tensors (None: an absent optional one): on the CPU, all of one
     dtype they read."""

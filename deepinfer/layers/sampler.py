@@ -10,6 +10,7 @@ import torch
 
 from deepinfer.layers import cpu_ops
 from deepinfer.layers.logits_processors import apply_processors
+from deepinfer.layers.structured_output import apply_bitmask, batch_bitmask
 from tilelang_ops.dispatch import get_op
 
 
@@ -21,7 +22,8 @@ class SamplingBatch:
     offsets [B] int64: tokens the sequence has generated so far;
     num_logprobs: max top logprobs requested in the batch (-1: none);
     logits_rows: per row (LogitsContext, output token ids) for a row with logits processors, else None;
-    None for the whole batch when no row has any (layers/logits_processors.py)."""
+    None for the whole batch when no row has any (layers/logits_processors.py);
+    grammars: per row its SequenceGrammar or None, None when no row has structured outputs."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -31,12 +33,14 @@ class SamplingBatch:
     offsets: torch.Tensor
     num_logprobs: int
     logits_rows: list | None = None
+    grammars: list | None = None
 
     def row(self, i: int) -> "SamplingBatch":
         """The parameters of row i alone."""
         return SamplingBatch(self.temperature[i:i + 1], self.top_k[i:i + 1], self.top_p[i:i + 1],
                              self.min_p[i:i + 1], [self.seeds[i]], self.offsets[i:i + 1], self.num_logprobs,
-                             None if self.logits_rows is None else self.logits_rows[i:i + 1])
+                             None if self.logits_rows is None else self.logits_rows[i:i + 1],
+                             None if self.grammars is None else self.grammars[i:i + 1])
 
     @property
     def all_greedy(self) -> bool:
@@ -62,8 +66,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] fp32."""
         logits = logits.float()
-        if (batch.all_greedy and batch.num_logprobs < 0 and batch.logits_rows is None and logits.is_contiguous()
-                and logits.device.type == "cpu"):
+        if (batch.all_greedy and batch.num_logprobs < 0 and batch.logits_rows is None and batch.grammars is None
+                and logits.is_contiguous() and logits.device.type == "cpu"):
             return SamplerOutput(cpu_ops.greedy_tokens(logits), None, None, None, None)  # one pass, not four
         finite = finite_rows(logits)
         if not bool(finite.all()):
@@ -72,12 +76,17 @@ class Sampler:
         tokens = torch.where(finite, tokens, torch.full_like(tokens, -1))
         return self.logprobs(logits, tokens, batch.num_logprobs)
 
-    def draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits [B, V] fp32, finite -> [B] int64 tokens drawn from the processed logits; -1 where the
-        processors masked every token."""
-        if batch.logits_rows is None:
+    def draw(self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, V] fp32, finite -> [B] int64 tokens drawn from the processed logits; -1 where nothing is
+        left to draw. bitmask [B, ceil(V/32)] int32: the tokens structured outputs allow (default: from
+        batch.grammars)."""
+        if bitmask is None and batch.grammars is not None:
+            bitmask = batch_bitmask(batch.grammars, logits.shape[1])
+        if batch.logits_rows is None and bitmask is None:
             return logits.argmax(-1) if batch.all_greedy else self._sample(logits, batch)
-        scores = apply_processors(logits, batch.logits_rows)
+        scores = logits.clone() if batch.logits_rows is None else apply_processors(logits, batch.logits_rows)
+        if bitmask is not None:
+            apply_bitmask(scores, bitmask)
         tokens = scores.argmax(-1) if batch.all_greedy else self._sample(scores, batch)
         return torch.where(scores.amax(-1) > float("-inf"), tokens, torch.full_like(tokens, -1))
 

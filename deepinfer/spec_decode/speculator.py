@@ -90,6 +90,9 @@ class Speculator:
         lens = self.varlen.schedule(conf.numpy()) if self.cfg.verify == "greedy" else [self.k] * len(ids)
         self.schedule_seconds += time.perf_counter() - start
         for seq_id, row, n in zip(ids, tokens.tolist(), lens):
+            grammar = engine.seqs[seq_id].grammar
+            if grammar is not None:  # a draft the grammar refuses could never be accepted
+                n = grammar.valid_prefix(row[:n])
             engine.scheduler.set_drafts(seq_id, row[:n])
 
     def verify(self, batch, logits: torch.Tensor, states, sampling) -> list[list[int]]:

@@ -15,8 +15,8 @@ from deepinfer.layers.sampler import Sampler, SamplingBatch, finite_rows
 
 def target_tokens(logits: torch.Tensor, params_row: SamplingBatch, drafts: list[int]) -> torch.Tensor:
     """logits [N, V] fp32 for N consecutive output positions of one sequence (params_row: its one row,
-    offsets = the first position; drafts: the N - 1 tokens between them, which the logits processors of
-    later positions see as outputs) -> [N] int64: the sampler's draw at each position."""
+    offsets = the first position; drafts: the N - 1 tokens between them, which the logits processors and
+    the grammar of later positions see as outputs) -> [N] int64: the sampler's draw at each position."""
     n, p = logits.shape[0], params_row
     rows = None
     if p.logits_rows is not None and p.logits_rows[0] is not None:
@@ -24,7 +24,8 @@ def target_tokens(logits: torch.Tensor, params_row: SamplingBatch, drafts: list[
         rows = [(ctx, outputs + drafts[:j]) for j in range(n)]
     at_positions = SamplingBatch(p.temperature.expand(n), p.top_k.expand(n), p.top_p.expand(n), p.min_p.expand(n),
                                  p.seeds * n, p.offsets + torch.arange(n, dtype=torch.int64), -1, rows)
-    return Sampler().draw(logits, at_positions)
+    grammar = p.grammars[0] if p.grammars is not None else None
+    return Sampler().draw(logits, at_positions, None if grammar is None else grammar.masks_along(drafts))
 
 
 def verify_sequence(logits: torch.Tensor, drafts: list[int], params_row: SamplingBatch) -> list[int]:
