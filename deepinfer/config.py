@@ -35,6 +35,8 @@ class EngineConfig:
     eplb_plan: str | None = None
     speculative: dict | None = None
     batch_invariant: bool = False
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
 
     @staticmethod
     def default_num_threads() -> int:
@@ -53,10 +55,9 @@ class EngineConfig:
             unset_ok = name in ("max_model_len", "max_num_batched_tokens", "block_size") and value == 0
             if not isinstance(value, int) or (value < 1 and not unset_ok):
                 raise ValueError(f"LLM({name}=...) must be a positive integer, got {value!r}")
-        if 0 < self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"LLM(max_num_batched_tokens={self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}): prefill is not chunked")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"LLM(long_prefill_token_threshold={self.long_prefill_token_threshold!r}) must be an "
+                             "integer >= 0 (0: no cap)")
         if not isinstance(self.num_threads, int) or self.num_threads < 1:
             raise ValueError(f"LLM(num_threads={self.num_threads!r}) must be a positive integer")
         if self.kv_cache_dtype not in ("auto", "fp4"):

@@ -30,6 +30,10 @@ class LLM:
     data_parallel_size: k > 1 runs k DP ranks as Ray actors (attention per rank, routed experts split
     over ranks); ray_address joins a Ray cluster instead of starting one on 127.0.0.1; dp_config: the
     DPConfig keys in engine/dp.py (vote intervals, resources per rank, timeouts).
+    enable_chunked_prefill: a prompt longer than what is left of a step's max_num_batched_tokens is prefilled
+    in chunks over several prefill steps (Llama and Qwen3-MoE; DeepSeek-V4 prefills whole prompts, so there
+    max_num_batched_tokens must be >= max_model_len); long_prefill_token_threshold: at most this many tokens of
+    one prompt per step (0: no cap), so short prompts get their first token beside a long one's chunks.
     batch_invariant: every bf16 GEMM runs our kernel with one reduction order for any batch, so a
     request's tokens do not depend on which requests share its steps (otherwise each GEMM shape takes
     the path measured fastest on this CPU, see layers/gemm_plan.py)."""
@@ -40,14 +44,17 @@ class LLM:
                  engine_type: str = "normal", num_threads: int | None = None, enable_eplb: bool = False,
                  eplb_config: dict | None = None, eplb_plan: str | None = None, speculative: dict | None = None,
                  data_parallel_size: int = 1, ray_address: str | None = None, dp_config: dict | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, enable_chunked_prefill: bool = True,
+                 long_prefill_token_threshold: int = 0):
         config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
                               kv_cache_memory=kv_cache_memory, block_size=block_size or 0,
                               kv_cache_dtype=kv_cache_dtype, seed=seed, engine_type=engine_type,
                               num_threads=num_threads or EngineConfig.default_num_threads(),
                               enable_eplb=enable_eplb, eplb_config=eplb_config, eplb_plan=eplb_plan,
-                              speculative=speculative, batch_invariant=batch_invariant)
+                              speculative=speculative, batch_invariant=batch_invariant,
+                              enable_chunked_prefill=enable_chunked_prefill,
+                              long_prefill_token_threshold=long_prefill_token_threshold)
         if data_parallel_size == 1:
             self.engine = LLMEngine(config)
         else:  # DP attention + EP MoE over Ray ranks (engine/dp.py)

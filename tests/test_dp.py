@@ -151,12 +151,13 @@ def test_uneven_work_finishes_and_drained_rank_keeps_joining(dp2):
 
 
 def test_limited_ranks_prefill_in_rounds_and_preempt_yet_match_dp1(tiny_qwen3_moe, ray_local):
-    """max_num_seqs=3 and a 24-block pool per rank: prompts wait in the rank's queue for voted prefill
-    steps, decode preempts and recomputes, and greedy outputs still equal one process's."""
+    """max_num_seqs=3, a 24-block pool and 8 tokens per prefill step per rank: prompts wait in the rank's
+    queue for voted prefill steps and are prefilled in chunks, decode preempts and recomputes, and greedy
+    outputs still equal one process's."""
     ps = prompts(12)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = LLM(tiny_qwen3_moe, **SMALL).generate(ps, params, use_tqdm=False)
-    small = dict(SMALL, kv_cache_memory=24 * 2048, max_num_seqs=3, max_model_len=64)
+    small = dict(SMALL, kv_cache_memory=24 * 2048, max_num_seqs=3, max_model_len=64, max_num_batched_tokens=8)
     llm = LLM(tiny_qwen3_moe, data_parallel_size=2,
               dp_config={"prefill_attempt_interval": 2, "prefill_any_attempt_interval": 3}, **small)
     outs = llm.generate(ps, params, use_tqdm=False)

@@ -8,9 +8,11 @@ from deepinfer import _C
 EOS = 1
 
 
-def make_scheduler(num_blocks, block_size, max_num_seqs, engine_type=_C.EngineType.NORMAL, max_model_len=48):
+def make_scheduler(num_blocks, block_size, max_num_seqs, engine_type=_C.EngineType.NORMAL, max_model_len=48,
+                   budget=64, chunked=True, threshold=0):
     c = _C.SchedulerConfig()
-    c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len = max_num_seqs, 64, max_model_len
+    c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len = max_num_seqs, budget, max_model_len
+    c.chunked_prefill, c.long_prefill_token_threshold = chunked, threshold
     c.block_size, c.num_blocks, c.num_state_slots = block_size, num_blocks, max_num_seqs
     c.engine_type, c.eos_token_ids = engine_type, [EOS]
     return _C.Scheduler(c)
@@ -25,9 +27,10 @@ ops = st.lists(st.one_of(
 
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(ops=ops, num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 16]),
-       max_num_seqs=st.integers(1, 6))
-def test_random_traces_keep_invariants(ops, num_blocks, block_size, max_num_seqs):
-    sched = make_scheduler(num_blocks, block_size, max_num_seqs)
+       max_num_seqs=st.integers(1, 6), budget=st.sampled_from([1, 5, 16, 64]), threshold=st.sampled_from([0, 3]))
+def test_random_traces_keep_invariants(ops, num_blocks, block_size, max_num_seqs, budget, threshold):
+    """Chunked prefill included: budgets below the prompt lengths, and a per-sequence cap."""
+    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget=budget, threshold=threshold)
     live, finished, next_id = {}, {}, 0
     for op in ops:
         if op[0] == "add":
@@ -58,7 +61,10 @@ def _step(sched, live, finished, eos_seed):
         return
     assert all(s in live for s in batch.seq_ids)
     assert len(set(batch.seq_ids)) == len(batch.seq_ids) <= sched.num_running
-    tokens = [EOS if eos_seed is not None and (eos_seed + s) % 3 == 0 else 9 for s in batch.seq_ids]
+    for s, drawn, ctx in zip(batch.seq_ids, batch.sampled, batch.context_lens):
+        assert drawn == (ctx == sched.sequence(s).num_tokens), "a token is drawn exactly at a sequence's end"
+    tokens = [EOS if eos_seed is not None and (eos_seed + s) % 3 == 0 else 9
+              for s, drawn in zip(batch.seq_ids, batch.sampled) if drawn]
     for out in sched.process(batch, tokens):
         if out.finished:
             assert out.seq_id not in finished, "a request finished twice"
@@ -84,13 +90,40 @@ def test_decode_preempts_longest_output_and_recomputes():
 
 
 def test_prefill_respects_token_budget_and_fcfs():
-    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=8)
+    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=8, chunked=False)
     for sid, n in enumerate([30, 30, 5]):
         sched.add_sequence(sid, [3] * n, _C.SamplingLimits(4))
     batch = sched.schedule()
     assert list(batch.seq_ids) == [0, 1] and batch.num_tokens == 60
     assert list(batch.query_start_loc) == [0, 30, 60]
     assert list(batch.positions[:3]) == [0, 1, 2]
+
+
+def test_chunked_prefill_fills_the_budget_and_continues_oldest_first():
+    """Budget 64: two whole prompts and a 4-token chunk of the third (not drawn from); the next prefill step
+    continues it before admitting a newer one, and its last chunk is drawn from."""
+    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=8)
+    for sid, n in enumerate([30, 30, 9]):
+        sched.add_sequence(sid, [3] * n, _C.SamplingLimits(4))
+    batch = sched.schedule()
+    assert list(batch.seq_ids) == [0, 1, 2] and batch.num_tokens == 64 and list(batch.sampled) == [1, 1, 0]
+    assert list(batch.positions[60:]) == [0, 1, 2, 3] and list(batch.context_lens) == [30, 30, 4]
+    assert [len(o.tokens) for o in sched.process(batch, [9, 9])] == [1, 1, 0]
+    sched.add_sequence(3, [3] * 2, _C.SamplingLimits(4))
+    batch = sched.schedule()
+    assert batch.type == _C.StepType.PREFILL and list(batch.seq_ids) == [2, 3] and list(batch.sampled) == [1, 1]
+    assert list(batch.positions[:5]) == [4, 5, 6, 7, 8]
+
+
+def test_long_prefill_threshold_lets_a_short_prompt_in_beside_a_long_one():
+    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=8, threshold=8)
+    sched.add_sequence(0, [3] * 40, _C.SamplingLimits(4))
+    sched.add_sequence(1, [3] * 5, _C.SamplingLimits(4))
+    batch = sched.schedule()
+    assert list(batch.seq_ids) == [0, 1] and list(batch.query_start_loc) == [0, 8, 13]
+    assert list(batch.sampled) == [0, 1]
+    sched.process(batch, [9])
+    assert sched.schedule().type == _C.StepType.PREFILL, "the long prompt's next chunk before the decode"
 
 
 def test_block_manager_refcounts():

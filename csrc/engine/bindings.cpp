@@ -105,6 +105,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("block_size", &SchedulerConfig::block_size)
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("num_state_slots", &SchedulerConfig::num_state_slots)
+      .def_readwrite("long_prefill_token_threshold", &SchedulerConfig::long_prefill_token_threshold)
+      .def_readwrite("chunked_prefill", &SchedulerConfig::chunked_prefill)
       .def_readwrite("engine_type", &SchedulerConfig::engine_type)
       .def_readwrite("eos_token_ids", &SchedulerConfig::eos_token_ids);
 
@@ -122,6 +124,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("context_lens", [](const ScheduledBatch& b) { return to_numpy(b.context_lens); })
       .def_property_readonly("state_slots", [](const ScheduledBatch& b) { return to_numpy(b.state_slots); })
       .def_property_readonly("draft_lens", [](const ScheduledBatch& b) { return to_numpy(b.draft_lens); })
+      .def_property_readonly("sampled", [](const ScheduledBatch& b) { return to_numpy(b.sampled); })
       .def_property_readonly("block_tables", [](const ScheduledBatch& b) {
         py::array_t<int32_t> a = to_numpy(b.block_tables);
         return a.reshape({static_cast<py::ssize_t>(b.seq_ids.size()), static_cast<py::ssize_t>(b.max_blocks)});

@@ -12,8 +12,9 @@ Scheduler::Scheduler(const SchedulerConfig& config)
   DI_REQUIRE(config.max_num_seqs > 0, "max_num_seqs must be positive");
   DI_REQUIRE(config.num_state_slots >= config.max_num_seqs,
              "num_state_slots must be at least max_num_seqs");
-  DI_REQUIRE(config.max_num_batched_tokens >= config.max_model_len,
-             "max_num_batched_tokens must be at least max_model_len (prefill is not chunked)");
+  DI_REQUIRE(config.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive");
+  DI_REQUIRE(config.chunked_prefill || config.max_num_batched_tokens >= config.max_model_len,
+             "max_num_batched_tokens must be at least max_model_len when prefill is not chunked");
   DI_REQUIRE(static_cast<int64_t>(config.num_blocks) * config.block_size >= config.max_model_len,
              "the KV pool must hold one max_model_len sequence");
   for (int s = config.num_state_slots - 1; s >= 0; --s) free_slots_.push_back(s);
@@ -86,33 +87,76 @@ ScheduledBatch Scheduler::schedule(StepType want) {
 }
 
 bool Scheduler::can_prefill() const {
-  if (config_.engine_type == EngineType::COMPLETION || waiting_.empty()) return false;
+  if (config_.engine_type == EngineType::COMPLETION) return false;
+  for (const Sequence* seq : running_)
+    if (seq->prefilling()) return true;
+  if (waiting_.empty()) return false;
   const Sequence* seq = waiting_.front();
-  return static_cast<int>(running_.size()) < config_.max_num_seqs && !free_slots_.empty() &&
-         seq->num_tokens() - seq->num_computed_tokens <= config_.max_num_batched_tokens &&
-         blocks_.can_allocate(blocks_.blocks_for(seq->num_tokens()));
+  const int chunk = chunk_for(seq, config_.max_num_batched_tokens);
+  return static_cast<int>(running_.size()) < config_.max_num_seqs && !free_slots_.empty() && chunk > 0 &&
+         blocks_.can_allocate(blocks_.blocks_for(seq->num_computed_tokens + chunk));
+}
+
+std::vector<Sequence*> Scheduler::prefilling() const {
+  std::vector<Sequence*> out;
+  for (Sequence* seq : running_)
+    if (seq->prefilling()) out.push_back(seq);
+  std::sort(out.begin(), out.end(), [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; });
+  return out;
+}
+
+// Tokens of seq a prefill step with `budget` tokens left takes: all that are left, or with chunking as many as
+// the budget and the per-sequence threshold allow (0: it waits for a later step).
+int Scheduler::chunk_for(const Sequence* seq, int budget) const {
+  const int left = seq->num_tokens() - seq->num_computed_tokens;
+  if (!config_.chunked_prefill) return left <= budget ? left : 0;
+  const int cap = config_.long_prefill_token_threshold > 0 ? config_.long_prefill_token_threshold : budget;
+  return std::min({left, budget, cap});
+}
+
+// Grows a chunked prefill's blocks; when the pool is short and may_evict (nothing else is in the step yet), the
+// newest other chunked prefills are evicted (they would hold blocks no one can use while the oldest waits).
+bool Scheduler::grow_for_chunk(Sequence* seq, int chunk, bool may_evict, ScheduledBatch& batch) {
+  while (!blocks_.append(seq->block_table, seq->num_computed_tokens + chunk)) {
+    if (!may_evict) return false;
+    std::vector<Sequence*> others = prefilling();
+    if (others.empty() || others.back() == seq) return false;
+    remove_running(others.back());
+    preempt(others.back(), batch);
+  }
+  return true;
 }
 
 bool Scheduler::schedule_prefill(ScheduledBatch& batch) {
   std::vector<Sequence*> picked;
-  int num_tokens = 0;
-  while (!waiting_.empty()) {
+  std::vector<int> chunks;
+  int budget = config_.max_num_batched_tokens;
+  // Chunked prefills under way go first, oldest first: they already hold blocks and a state slot.
+  for (Sequence* seq : prefilling()) {
+    if (!seq->prefilling()) continue;  // evicted by an older one's grow_for_chunk
+    const int chunk = chunk_for(seq, budget);
+    if (chunk == 0 || !grow_for_chunk(seq, chunk, picked.empty(), batch)) break;
+    picked.push_back(seq);
+    chunks.push_back(chunk);
+    budget -= chunk;
+  }
+  while (!waiting_.empty() && budget > 0) {
     Sequence* seq = waiting_.front();
-    int query = seq->num_tokens() - seq->num_computed_tokens;
-    if (static_cast<int>(running_.size()) >= config_.max_num_seqs) break;
-    if (num_tokens + query > config_.max_num_batched_tokens) break;
-    if (free_slots_.empty() || !blocks_.append(seq->block_table, seq->num_tokens())) break;
+    const int chunk = chunk_for(seq, budget);
+    if (chunk == 0 || static_cast<int>(running_.size()) >= config_.max_num_seqs) break;
+    if (free_slots_.empty() || !blocks_.append(seq->block_table, seq->num_computed_tokens + chunk)) break;
     waiting_.pop_front();
     seq->state_slot = free_slots_.back();
     free_slots_.pop_back();
     seq->status = SequenceStatus::RUNNING;
     running_.push_back(seq);
     picked.push_back(seq);
-    num_tokens += query;
+    chunks.push_back(chunk);
+    budget -= chunk;
   }
   if (picked.empty()) return false;
   batch.type = StepType::PREFILL;
-  prepare_inputs(batch, picked);
+  prepare_inputs(batch, picked, chunks);
   return true;
 }
 
@@ -129,6 +173,7 @@ bool Scheduler::schedule_decode(ScheduledBatch& batch) {
   size_t last = running_.size();
   for (size_t i = 0; i < last; ++i) {
     Sequence* seq = running_[i];
+    if (seq->prefilling()) continue;  // its next step is a prefill chunk
     // Drafts ride along only if their blocks are free: speculation never evicts anyone.
     if (!seq->draft_tokens.empty() &&
         !blocks_.append(seq->block_table, seq->num_tokens() + static_cast<int>(seq->draft_tokens.size())))
@@ -148,7 +193,7 @@ bool Scheduler::schedule_decode(ScheduledBatch& batch) {
   running_.resize(last);
   if (picked.empty()) return false;
   batch.type = StepType::DECODE;
-  prepare_inputs(batch, picked);
+  prepare_inputs(batch, picked, std::vector<int>(picked.size(), 1));
   return true;
 }
 
@@ -170,7 +215,8 @@ void Scheduler::release_resources(Sequence* seq) {
   seq->state_slot = -1;
 }
 
-void Scheduler::prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs) {
+void Scheduler::prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs,
+                               const std::vector<int>& chunks) {
   const int bs = config_.block_size;
   batch.query_start_loc.push_back(0);
   for (Sequence* seq : seqs) {
@@ -180,11 +226,15 @@ void Scheduler::prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence* seq = seqs[i];
     DI_CHECK(seq->schedule_cnt == seq->process_cnt, "sequence scheduled twice before processing");
-    for (int pos = seq->num_computed_tokens; pos < seq->num_tokens(); ++pos) {
+    const int end = seq->num_computed_tokens + chunks[i];
+    DI_CHECK(chunks[i] > 0 && end <= seq->num_tokens(), "chunk outside the sequence");
+    for (int pos = seq->num_computed_tokens; pos < end; ++pos) {
       batch.input_ids.push_back(seq->token_ids[pos]);
       batch.positions.push_back(pos);
       batch.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[pos / bs]) * bs + pos % bs);
     }
+    const bool sampled = end == seq->num_tokens();
+    if (!sampled) seq->draft_tokens.clear();  // drafts follow the last token only
     for (size_t j = 0; j < seq->draft_tokens.size(); ++j) {
       int pos = seq->num_tokens() + static_cast<int>(j);
       batch.input_ids.push_back(seq->draft_tokens[j]);
@@ -192,12 +242,13 @@ void Scheduler::prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence
       batch.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[pos / bs]) * bs + pos % bs);
     }
     batch.draft_lens.push_back(static_cast<int32_t>(seq->draft_tokens.size()));
+    batch.sampled.push_back(sampled);
     seq->draft_tokens.clear();
-    seq->num_computed_tokens = seq->num_tokens();
+    seq->num_computed_tokens = end;
     ++seq->schedule_cnt;
     batch.seq_ids.push_back(seq->seq_id);
     batch.query_start_loc.push_back(static_cast<int32_t>(batch.input_ids.size()));
-    batch.context_lens.push_back(seq->num_tokens() + batch.draft_lens.back());
+    batch.context_lens.push_back(end + batch.draft_lens.back());
     batch.state_slots.push_back(seq->state_slot);
     std::copy(seq->block_table.begin(), seq->block_table.end(),
               batch.block_tables.begin() + i * batch.max_blocks);
@@ -233,8 +284,13 @@ bool Scheduler::append_token(Sequence* seq, int32_t token) {
 std::vector<StepOutput> Scheduler::process(const ScheduledBatch& batch,
                                            const std::vector<int32_t>& tokens) {
   std::vector<std::vector<int32_t>> per_seq;
-  per_seq.reserve(tokens.size());
-  for (int32_t t : tokens) per_seq.push_back({t});
+  per_seq.reserve(batch.seq_ids.size());
+  size_t next = 0;
+  for (uint8_t sampled : batch.sampled) {
+    DI_REQUIRE(!sampled || next < tokens.size(), "fewer tokens than sampled sequences");
+    per_seq.push_back(sampled ? std::vector<int32_t>{tokens[next++]} : std::vector<int32_t>{});
+  }
+  DI_REQUIRE(next == tokens.size(), "more tokens than sampled sequences");
   return process_multi(batch, per_seq);
 }
 
@@ -246,10 +302,15 @@ std::vector<StepOutput> Scheduler::process_multi(const ScheduledBatch& batch,
   for (size_t i = 0; i < tokens.size(); ++i) {
     Sequence* seq = lookup(batch.seq_ids[i]);
     const int drafts = batch.draft_lens.empty() ? 0 : batch.draft_lens[i];
-    DI_REQUIRE(!tokens[i].empty() && static_cast<int>(tokens[i].size()) <= drafts + 1,
-               "sequence " + std::to_string(seq->seq_id) + ": between 1 and drafts + 1 tokens per step");
     ++seq->process_cnt;
     StepOutput res{seq->seq_id, {}, false, FinishReason::NONE, -1};
+    if (!batch.sampled[i]) {  // a prefill chunk short of the last token: nothing drawn, nothing to apply
+      DI_REQUIRE(tokens[i].empty(), "sequence " + std::to_string(seq->seq_id) + ": a token for an unsampled chunk");
+      out.push_back(res);
+      continue;
+    }
+    DI_REQUIRE(!tokens[i].empty() && static_cast<int>(tokens[i].size()) <= drafts + 1,
+               "sequence " + std::to_string(seq->seq_id) + ": between 1 and drafts + 1 tokens per step");
     if (tokens[i][0] < 0) {
       seq->finish_reason = FinishReason::ERROR;
       res.finished = true;
@@ -283,6 +344,7 @@ std::vector<StepOutput> Scheduler::process_multi(const ScheduledBatch& batch,
 void Scheduler::set_drafts(int64_t seq_id, const std::vector<int32_t>& drafts) {
   Sequence* seq = lookup(seq_id);
   DI_REQUIRE(seq->status == SequenceStatus::RUNNING, "drafts only for running sequences");
+  if (seq->prefilling()) return;  // drafts follow the last token, which a later chunk reaches
   int room = config_.max_model_len - seq->num_tokens() - 1;
   seq->draft_tokens.assign(drafts.begin(), drafts.begin() + std::max(0, std::min<int>(room, drafts.size())));
 }

@@ -24,6 +24,11 @@ struct SchedulerConfig {
   int block_size = 16;
   int num_blocks = 0;
   int num_state_slots = 0;
+  // A prefill step takes at most this many tokens of one sequence (0: up to the step's budget), so short
+  // prompts share a step with a long prompt's chunk instead of waiting for all of it.
+  int long_prefill_token_threshold = 0;
+  // Whether a prompt longer than what is left of a step's budget is prefilled in chunks across steps.
+  bool chunked_prefill = true;
   EngineType engine_type = EngineType::NORMAL;
   std::vector<int32_t> eos_token_ids;
 };
@@ -42,6 +47,9 @@ struct ScheduledBatch {
   int max_blocks = 0;
   std::vector<int32_t> state_slots;     // [B]
   std::vector<int32_t> draft_lens;      // [B] draft tokens appended to each sequence's query
+  // [B] 1 where a token is drawn for the sequence this step; 0 for a prefill chunk that ends short of the
+  // sequence's last token (its logits are not needed, and process() takes no token for it).
+  std::vector<uint8_t> sampled;
   std::vector<int64_t> preempted;       // sequences evicted to make room in this step
 };
 
@@ -67,9 +75,10 @@ class Scheduler {
   ScheduledBatch schedule(StepType want = StepType::IDLE);
   // Whether the head of the waiting queue would be admitted by a prefill step now.
   bool can_prefill() const;
-  // Applies one sampled token per scheduled sequence (-1 marks a failed row, finished with ERROR).
+  // Applies one sampled token per sampled sequence, in batch order (-1 marks a failed row, finished with
+  // ERROR). Returns one StepOutput per scheduled sequence (no tokens for an unsampled prefill chunk).
   std::vector<StepOutput> process(const ScheduledBatch& batch, const std::vector<int32_t>& tokens);
-  // Speculative decoding: per sequence the accepted drafts plus one target token ({-1}: failed).
+  // Per scheduled sequence the accepted drafts plus one target token ({-1}: failed; {} when unsampled).
   // Rejected drafts are rolled back: their KV slots count as not computed and surplus blocks return.
   std::vector<StepOutput> process_multi(const ScheduledBatch& batch,
                                         const std::vector<std::vector<int32_t>>& tokens);
@@ -95,9 +104,13 @@ class Scheduler {
  private:
   bool schedule_prefill(ScheduledBatch& batch);
   bool schedule_decode(ScheduledBatch& batch);
+  std::vector<Sequence*> prefilling() const;
+  int chunk_for(const Sequence* seq, int budget) const;
+  bool grow_for_chunk(Sequence* seq, int chunk, bool may_evict, ScheduledBatch& batch);
   void preempt(Sequence* seq, ScheduledBatch& batch);
   void release_resources(Sequence* seq);
-  void prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs);
+  // chunks[i]: tokens of seqs[i] this step, from its first uncomputed one.
+  void prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs, const std::vector<int>& chunks);
   bool append_token(Sequence* seq, int32_t token);
   void remove_running(Sequence* seq);
   Sequence* lookup(int64_t seq_id) const;

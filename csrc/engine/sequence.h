@@ -38,6 +38,11 @@ struct Sequence {
 
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
   int num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
+  // Running, with more than its newest token still to prefill: a chunked prefill under way. With exactly
+  // one left the sequence decodes it (a decode step's query is that token).
+  bool prefilling() const {
+    return status == SequenceStatus::RUNNING && num_computed_tokens < num_tokens() - 1;
+  }
 };
 
 }  // namespace deepinfer

@@ -299,14 +299,14 @@ class DPRankWorker:
         c, n = self.engine.config, params.n
         blocks = n * -(-len(ids) // c.block_size)
         running, slots, free_blocks, tokens = budget
-        if (running + n > c.max_num_seqs or slots < n or free_blocks < blocks
-                or tokens + n * len(ids) > c.max_num_batched_tokens):
+        over_budget = tokens + n * len(ids) > c.max_num_batched_tokens and not self.engine.chunked_prefill
+        if running + n > c.max_num_seqs or slots < n or free_blocks < blocks or over_budget:
             return False
         budget[:] = [running + n, slots - n, free_blocks - blocks, tokens + n * len(ids)]
         return True
 
     def _has_prefill(self) -> bool:
-        if self.sched.num_waiting:
+        if self.sched.num_waiting or self.sched.can_prefill():  # the latter: a chunked prefill under way
             return True
         if not self.pending:
             return False

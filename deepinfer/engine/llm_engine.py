@@ -86,6 +86,12 @@ class LLMEngine:
         if config.block_size % self.model.block_size_multiple:
             raise ValueError(f"LLM(block_size={config.block_size}) must be a multiple of "
                              f"{self.model.block_size_multiple} for this model")
+        self.chunked_prefill = config.enable_chunked_prefill and self.model.supports_chunked_prefill
+        if not self.chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
+            why = "enable_chunked_prefill=False" if not config.enable_chunked_prefill else \
+                f"{type(self.model).__name__} prefills whole prompts"
+            raise ValueError(f"LLM(max_num_batched_tokens={config.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({config.max_model_len}): {why}")
         spec_cfg = SpecConfig.from_dict(config.speculative) if config.speculative else None
         if spec_cfg is not None:
             prepare_model(self.model, spec_cfg)
@@ -123,6 +129,7 @@ class LLMEngine:
         c.max_num_seqs, c.max_model_len = self.config.max_num_seqs, self.config.max_model_len
         c.max_num_batched_tokens, c.block_size = self.config.max_num_batched_tokens, self.config.block_size
         c.num_blocks, c.num_state_slots = self.cache.num_blocks, self.config.max_num_seqs
+        c.chunked_prefill, c.long_prefill_token_threshold = self.chunked_prefill, self.config.long_prefill_token_threshold
         c.engine_type = _ENGINE_TYPES[self.config.engine_type]
         c.eos_token_ids = self.eos_token_ids()
         return c
@@ -240,7 +247,9 @@ class LLMEngine:
         for seq_id in batch.preempted:
             self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
         self.num_steps["prefill" if batch.type == _C.StepType.PREFILL else "decode"] += 1
-        states = [self.seqs[s] for s in batch.seq_ids]
+        # An unsampled row is a prefill chunk short of its prompt's end: nothing is drawn for it.
+        sampled = batch.sampled.astype(bool)
+        states = [self.seqs[s] for s, drawn in zip(batch.seq_ids, sampled) if drawn]
         sampling = self._sampling_batch(states)
         if batch.type == _C.StepType.DECODE and self.spec is not None and batch.draft_lens.sum() > 0:
             logits = self.runner.logits_all(batch)
@@ -249,7 +258,7 @@ class LLMEngine:
             out, firsts = self.spec.token_logprobs(batch, logits, tokens, sampling.num_logprobs)
             results = self.scheduler.process_multi(batch, tokens)
         else:
-            out, firsts = self._execute(batch, sampling), range(len(states))
+            out, firsts = self._execute(batch, sampling), (sampled.cumsum() - 1).tolist()
             results = self.scheduler.process(batch, out.tokens.tolist())
         if self.spec is not None:
             self.spec.after_step(self, batch, results)

@@ -31,10 +31,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, batch) -> torch.Tensor:
-        """[B, V] fp32 logits at each sequence's last token."""
+        """[S, V] fp32 logits at the last token of each of the S sampled sequences (batch.sampled)."""
         input_ids, meta = self.prepare(batch)
         hidden = self.model(input_ids, meta)
-        return self.model.compute_logits(hidden[meta.last_token_indices])
+        return self.model.compute_logits(hidden[meta.last_token_indices[torch.from_numpy(batch.sampled).bool()]])
 
     @torch.inference_mode()
     def logits_all(self, batch) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
     __init__(hf_config, dtype)
     block_size_multiple: int                  # block_size must be a multiple of this
+    supports_chunked_prefill: bool            # a prompt may be prefilled over several steps
     cache_spec(block_size, kv_cache_dtype) -> CacheSpec
     bind_cache(paged: dict[str, Tensor], state: dict[str, Tensor]) -> None
     forward(input_ids [T], meta: AttentionMetadata) -> hidden [T, H]

@@ -150,6 +150,8 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     # All per-token state is paged KV: a rejected draft's slot is masked out, then overwritten.
     supports_draft_rollback = True
+    # Attention reads each sequence's keys from the paged cache, so a prompt's later chunk sees the earlier ones.
+    supports_chunked_prefill = True
 
     def __init__(self, cfg, dtype: torch.dtype):
         super().__init__()

@@ -1,0 +1,84 @@
+"""Chunked prefill: prompts longer than a step's token budget arrive over several prefill steps with outputs
+identical to whole-prompt prefill (fp32: greedy, seeded, logprobs, with speculation, preemption, structured
+outputs), a short prompt's first token beside a long prompt's chunks, and models that cannot chunk refused."""
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+KW = dict(dtype="float32", kv_cache_memory=16 << 20, block_size=4, max_model_len=128)
+PARAMS = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2),
+          SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True),
+          SamplingParams(temperature=0.7, top_k=20, seed=6, n=2, max_tokens=8, ignore_eos=True)]
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 40, 3, 77, 20, 33)]
+
+
+def run(path, **kw):
+    llm = LLM(path, **{**KW, **kw})
+    ps = prompts()
+    outs = llm.generate(ps, [PARAMS[i % 3] for i in range(len(ps))], use_tqdm=False)
+    return [[(c.token_ids, [sorted((t, round(lp.logprob, 4)) for t, lp in e.items()) for e in c.logprobs or []])
+             for c in o.outputs] for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_qwen3_moe, tiny_llama):
+    return {m: run(p)[0] for m, p in (("qwen", tiny_qwen3_moe), ("llama", tiny_llama))}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 100])
+@pytest.mark.parametrize("model", ["qwen", "llama"])
+def test_chunked_outputs_equal_whole_prompt_prefill(tiny_qwen3_moe, tiny_llama, whole, model, chunk):
+    path = tiny_qwen3_moe if model == "qwen" else tiny_llama
+    got, llm = run(path, max_num_batched_tokens=chunk)
+    assert got == whole[model]
+    assert llm.engine.num_steps["prefill"] >= sum(len(p) for p in prompts()) // max(chunk, 1) // 4
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.cache.num_blocks
+
+
+def test_threshold_and_speculation_and_preemption_keep_outputs(tiny_qwen3_moe, whole):
+    got, _ = run(tiny_qwen3_moe, long_prefill_token_threshold=6, speculative={"method": "ngram", "num_draft_tokens": 3})
+    assert got == whole["qwen"]
+    # 24 blocks of 4 tokens: chunked prefills and decodes evict each other and recompute (in chunks again).
+    got, llm = run(tiny_qwen3_moe, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=96,
+                   kv_cache_memory=24 * LLM(tiny_qwen3_moe, **KW).engine.cache.spec.bytes_per_block)
+    assert got == whole["qwen"] and llm.engine.scheduler.num_preemptions > 0
+
+
+def test_structured_outputs_with_chunked_prefill(tiny_qwen3_moe):
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, structured_outputs={"regex": "[a-c]{2,4}-[0-9]{2}"})
+    ps = prompts()
+    want = [o.outputs[0].text for o in LLM(tiny_qwen3_moe, **KW).generate(ps, params, use_tqdm=False)]
+    got = [o.outputs[0].text for o in LLM(tiny_qwen3_moe, **KW, max_num_batched_tokens=9).generate(ps, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_a_short_prompt_gets_its_first_token_beside_a_long_prompts_chunks(tiny_qwen3_moe):
+    """With long_prefill_token_threshold the first prefill step holds the long prompt's first chunk and the
+    whole short prompt: the short one's first token comes after one step, not after the long prefill."""
+    llm = LLM(tiny_qwen3_moe, **KW, long_prefill_token_threshold=16)
+    engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("long", prompts()[3], params)
+    engine.add_request("short", prompts()[0], params)
+    engine.step()
+    assert engine.requests["short"].metrics.first_token_time is not None
+    assert engine.requests["long"].metrics.first_token_time is None
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_models_that_cannot_chunk_need_the_whole_prompt_budget(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="max_num_batched_tokens=16.*enable_chunked_prefill=False"):
+        LLM(tiny_llama, **KW, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    from test_deepseek_v4 import make_checkpoint
+
+    make_checkpoint(str(tmp_path / "v4"))
+    with pytest.raises(ValueError, match="max_num_batched_tokens=64.*DeepseekV4ForCausalLM prefills whole prompts"):
+        LLM(str(tmp_path / "v4"), dtype="float32", max_model_len=256, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        LLM(tiny_llama, **KW, long_prefill_token_threshold=-1)
