@@ -31,8 +31,8 @@ class LLM:
     over ranks); ray_address joins a Ray cluster instead of starting one on 127.0.0.1; dp_config: the
     DPConfig keys in engine/dp.py (vote intervals, resources per rank, timeouts).
     enable_chunked_prefill: a prompt longer than what is left of a step's max_num_batched_tokens is prefilled
-    in chunks over several prefill steps (Llama and Qwen3-MoE; DeepSeek-V4 prefills whole prompts, so there
-    max_num_batched_tokens must be >= max_model_len); long_prefill_token_threshold: at most this many tokens of
+    in chunks over several prefill steps (a model that cannot, or enable_chunked_prefill=False, needs
+    max_num_batched_tokens >= max_model_len); long_prefill_token_threshold: at most this many tokens of
     one prompt per step (0: no cap), so short prompts get their first token beside a long one's chunks.
     batch_invariant: every bf16 GEMM runs our kernel with one reduction order for any batch, so a
     request's tokens do not depend on which requests share its steps (otherwise each GEMM shape takes

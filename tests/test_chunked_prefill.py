@@ -1,6 +1,7 @@
 """Chunked prefill: prompts longer than a step's token budget arrive over several prefill steps with outputs
 identical to whole-prompt prefill (fp32: greedy, seeded, logprobs, with speculation, preemption, structured
-outputs), a short prompt's first token beside a long prompt's chunks, and models that cannot chunk refused."""
+outputs) on Llama, Qwen3-MoE and DeepSeek-V4 (against transformers), and a short prompt's first token beside a
+long prompt's chunks."""
 import pytest
 import torch
 
@@ -72,13 +73,28 @@ def test_a_short_prompt_gets_its_first_token_beside_a_long_prompts_chunks(tiny_q
         engine.step()
 
 
-def test_models_that_cannot_chunk_need_the_whole_prompt_budget(tiny_llama, tmp_path):
+def test_deepseek_v4_chunks_equal_transformers(tmp_path):
+    """Prompts up to 300 tokens in chunks of 1, 7, 16 and 100: windows of both compression rates (4, 128) and the
+    sliding window (8) straddle chunk borders; greedy tokens equal transformers', FP4 equal whole-prompt FP4."""
+    from test_deepseek_v4 import hf_greedy, make_checkpoint, prompt_of
+
+    hf = make_checkpoint(str(tmp_path / "v4"), seed=1)
+    ps = [prompt_of(5, 31), prompt_of(90, 33), prompt_of(300, 36)]
+    refs = [hf_greedy(hf, p, 12) for p in ps]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="float32", kv_cache_memory=8 << 20, max_num_seqs=4, max_model_len=512)
+    fp4 = [o.outputs[0].token_ids for o in LLM(str(tmp_path / "v4"), kv_cache_dtype="fp4", **kw).generate(
+        ps, greedy, use_tqdm=False)]
+    for chunk in (1, 7, 16, 100):
+        llm = LLM(str(tmp_path / "v4"), max_num_batched_tokens=chunk, **kw)
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == refs
+        assert llm.engine.num_steps["prefill"] > 3
+        llm = LLM(str(tmp_path / "v4"), max_num_batched_tokens=chunk, kv_cache_dtype="fp4", **kw)
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == fp4
+
+
+def test_bad_chunking_keywords(tiny_llama):
     with pytest.raises(ValueError, match="max_num_batched_tokens=16.*enable_chunked_prefill=False"):
         LLM(tiny_llama, **KW, max_num_batched_tokens=16, enable_chunked_prefill=False)
-    from test_deepseek_v4 import make_checkpoint
-
-    make_checkpoint(str(tmp_path / "v4"))
-    with pytest.raises(ValueError, match="max_num_batched_tokens=64.*DeepseekV4ForCausalLM prefills whole prompts"):
-        LLM(str(tmp_path / "v4"), dtype="float32", max_model_len=256, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         LLM(tiny_llama, **KW, long_prefill_token_threshold=-1)

@@ -287,9 +287,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     # (see v4_attention.write_ring).
     max_backtracking = 1
     supports_draft_rollback = True
-    # Not yet: the prefill path builds compression windows, the indexer and the window ring from the whole
-    # prompt at once; chunks would need windows that straddle a chunk border carried between steps.
-    supports_chunked_prefill = False
+    # A prefill query starts at p0 = context - query: it reads the ring's last window before p0, and the
+    # compressor and indexer carry a window left open at a chunk's end in their per-sequence state.
+    supports_chunked_prefill = True
 
     def __init__(self, hf_config, dtype: torch.dtype = torch.float32):
         super().__init__()

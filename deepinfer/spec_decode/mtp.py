@@ -53,7 +53,7 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def after_step(self, engine, batch, results) -> None:
-        settled = self._settled(batch, results)
+        settled = self._settled(batch, results, engine.scheduler)
         stepped = set(batch.seq_ids)
         self.drafts = {s: d for s, d in self.drafts.items() if s not in stepped}
         if not settled:
@@ -66,18 +66,20 @@ class MTPDrafter:
         self._draft(list(seq_ids), out[meta.query_start_loc[1:] - 1], meta)
 
     @staticmethod
-    def _settled(batch, results) -> list:
+    def _settled(batch, results, scheduler) -> list:
         """Per sequence that goes on: (its index in the batch, seq id, first row and number of its rows the
-        step settled, the token after each of those rows)."""
+        step settled, the token after each of those rows). A prefill chunk short of the prompt's end settles
+        its rows too (the MTP ring must hold every position); the token after its last row is the prompt's next."""
         qsl, ids = batch.query_start_loc.tolist(), batch.input_ids.tolist()
         prefill = batch.type == _C.StepType.PREFILL
         out = []
-        for i, res in enumerate(results):
-            if res.finished or res.reason == _C.FinishReason.HANDOFF or not res.tokens or res.tokens[-1] < 0:
+        for i, (res, drawn) in enumerate(zip(results, batch.sampled)):
+            if res.finished or res.reason == _C.FinishReason.HANDOFF or (drawn and (not res.tokens or res.tokens[-1] < 0)):
                 continue
             lo = qsl[i]
             n = qsl[i + 1] - lo if prefill else len(res.tokens)  # verify: last real token + accepted drafts
-            out.append((i, res.seq_id, lo, n, ids[lo + 1:lo + n] + [res.tokens[-1]]))
+            after = res.tokens[-1] if drawn else scheduler.sequence(res.seq_id).token_ids[int(batch.context_lens[i])]
+            out.append((i, res.seq_id, lo, n, ids[lo + 1:lo + n] + [after]))
         return out
 
     @staticmethod
