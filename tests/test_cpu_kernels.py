@@ -311,6 +311,27 @@ def test_greedy_tokens_first_maximum_across_vector_lanes_and_the_tail(vocab):
     assert torch.equal(cpu_ops.greedy_tokens(logits), logits.argmax(-1))
 
 
+def test_sample_kernel_draws_the_reference_tokens():
+    """cpu_ops.sample (the "sample" op on the CPU) against tilelang_ops' torch reference, token for token:
+    60 seeds of the mixed case (greedy, top-k 1, ties, -inf rows, top-p with min-p), and a 49,152-token
+    vocabulary under each filter alone, where the top-p search goes past its first 1024 candidates."""
+    from test_tilelang_cases import sampling_case
+    from tilelang_ops.sampling import sample_ref
+
+    for seed in range(60):
+        case = sampling_case(seed=seed)
+        assert torch.equal(cpu_ops.sample(*case), sample_ref(*case)), seed
+    g = torch.Generator().manual_seed(1)
+    B, V = 8, 49152
+    for top_k, top_p, min_p, spread in [(0, 1.0, 0.0, 4), (50, 1.0, 0.0, 4), (0, 0.9, 0.0, 4), (0, 0.99, 0.0, 0.5),
+                                        (0, 1.0, 0.05, 4)]:
+        logits = torch.randn(B, V, generator=g) * spread
+        args = (torch.full((B,), 0.8), torch.full((B,), top_k, dtype=torch.int64), torch.full((B,), top_p),
+                torch.full((B,), min_p), torch.randint(0, 2 ** 62, (B,), generator=g),
+                torch.randint(0, 1000, (B,), generator=g))
+        assert torch.equal(cpu_ops.sample(logits, *args), sample_ref(logits, *args)), (top_k, top_p, min_p)
+
+
 @pytest.mark.parametrize("B, V", [(1, 1), (3, 31), (4, 32), (5, 33), (64, 1000)])
 def test_apply_token_mask_equals_the_reference(B, V):
     """The dispatch point's CPU kernel against tilelang_ops' torch reference: random words, all-clear and

@@ -59,18 +59,21 @@ def test_greedy_ignores_sampling_knobs_and_sampling_respects_top_k_1(qwen):
 
 
 def test_sampling_goes_through_the_dispatch_point_with_documented_seeds(qwen, monkeypatch):
-    """The engine samples with tilelang_ops' "sample" op (the torch reference on the CPU): child i of a
-    seeded request draws with seed + i at offset = tokens it has generated so far."""
-    from tilelang_ops import sampling
-    ref, draws = sampling.sample_ref, {}
+    """The engine samples with tilelang_ops' "sample" op (the C++ kernel on the CPU): child i of a seeded
+    request draws with seed + i at offset = tokens it has generated so far, the token the torch reference
+    draws from the same arguments."""
+    from deepinfer.layers import cpu_ops
+    from tilelang_ops.sampling import sample_ref
+    kernel, draws = cpu_ops.sample, {}
 
     def spy(logits, temperature, top_k, top_p, min_p, seeds, offsets):
-        tokens = ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+        tokens = kernel(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+        assert torch.equal(tokens, sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets))
         for s, o, t in zip(seeds.tolist(), offsets.tolist(), tokens.tolist()):
             draws[s, o] = t
         return tokens
 
-    monkeypatch.setattr(sampling, "sample_ref", spy)
+    monkeypatch.setattr(cpu_ops, "sample", spy)
     params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=77, n=2, max_tokens=4, ignore_eos=True)
     out = qwen.generate([[5, 6, 7]], params, use_tqdm=False)[0]
     assert sorted(draws) == [(77 + i, o) for i in range(2) for o in range(4)]

@@ -19,6 +19,7 @@ OPS = {
 CPU_KERNELS = {
     "v4_decode_attention": "deepinfer.layers.cpu_ops:v4_decode_attention",
     "apply_token_mask": "deepinfer.layers.cpu_ops:apply_token_mask",
+    "sample": "deepinfer.layers.cpu_ops:sample",
 }
 
 

@@ -230,6 +230,17 @@ void bind_cpu_kernels(py::module_& m) {
       py::call_guard<py::gil_scoped_release>(),
       "tokens [B] int64 = first argmax of each row of logits [B,V] fp32, -1 for a row with NaN or inf");
   m.def(
+      "sample_tokens",
+      [](uintptr_t logits, int64_t B, int64_t V, uintptr_t temperature, uintptr_t top_k, uintptr_t top_p,
+         uintptr_t min_p, uintptr_t seeds, uintptr_t offsets, uintptr_t tokens, int threads) {
+        sample_tokens(reinterpret_cast<const float*>(logits), B, V, reinterpret_cast<const float*>(temperature),
+                      reinterpret_cast<const int64_t*>(top_k), reinterpret_cast<const float*>(top_p),
+                      reinterpret_cast<const float*>(min_p), reinterpret_cast<const int64_t*>(seeds),
+                      reinterpret_cast<const int64_t*>(offsets), reinterpret_cast<int64_t*>(tokens), threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "tokens [B] int64 = tilelang_ops.sampling.sample_ref's draw from logits [B,V] fp32 and per-row parameters");
+  m.def(
       "apply_token_mask",
       [](uintptr_t logits, uintptr_t bitmask, int64_t B, int64_t V, int threads) {
         apply_token_mask(reinterpret_cast<float*>(logits), reinterpret_cast<const int32_t*>(bitmask), B, V, threads);

@@ -9,6 +9,15 @@ namespace deepinfer {
 // NaN or an infinity. logits [B, V] fp32, rows V apart.
 void greedy_tokens(const float* logits, int64_t B, int64_t V, int64_t* tokens, int num_threads);
 
+// tilelang_ops.sampling.sample_ref's draw (its module docstring has the rule): per row temperature, top-k,
+// top-p, min-p and the seeded Gumbel-max draw over the kept tokens; greedy (argmax of the raw logits) where
+// temperature <= 0; -1 for a row with no logit above -inf. The hashed uniforms are the reference's bit for
+// bit; the logs and exps are the C library's, so a draw can differ only where two scores tie within an ulp.
+// logits [B, V] fp32 finite or -inf; per-row parameters [B]; tokens [B].
+void sample_tokens(const float* logits, int64_t B, int64_t V, const float* temperature, const int64_t* top_k,
+                   const float* top_p, const float* min_p, const int64_t* seeds, const int64_t* offsets,
+                   int64_t* tokens, int num_threads);
+
 // Structured outputs: logits[b, v] = -inf where bit v % 32 of bitmask[b, v / 32] is clear (xgrammar's
 // layout). logits [B, V] fp32, bitmask [B, ceil(V / 32)] int32.
 void apply_token_mask(float* logits, const int32_t* bitmask, int64_t B, int64_t V, int num_threads);

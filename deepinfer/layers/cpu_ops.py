@@ -261,6 +261,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
+def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> torch.Tensor:
+    """tilelang_ops.sampling.sample_ref's arguments and draw (bit-identical hashes; C-library logs, so scores
+    tied within an ulp could break differently), in C++: [B, V] logits -> [B] int64 tokens."""
+    from tilelang_ops.sampling import _validate
+
+    _validate(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    B, V = logits.shape
+    args = [t.contiguous() for t in (logits.float(), temperature, top_k.long(), top_p, min_p, seeds, offsets)]
+    tokens = torch.empty(B, dtype=torch.int64)
+    _C.sample_tokens(args[0].data_ptr(), B, V, *(t.data_ptr() for t in args[1:]), tokens.data_ptr(),
+                     platform.kernel_threads())
+    return tokens
+
+
 def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """tilelang_ops.token_mask.apply_token_mask_ref's arguments and result: logits [B, V] fp32 set to -inf in
     place where bitmask [B, ceil(V/32)] int32 clears the token's bit; returns logits."""
