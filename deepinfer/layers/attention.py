@@ -5,6 +5,8 @@ import torch.nn.functional as F
 from deepinfer.layers import cpu_ops
 from deepinfer.layers.attention_metadata import AttentionMetadata
 
+Q_TILE = 256  # prefill queries per attention call
+
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -17,8 +19,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D] over each sequence's cached keys (causal) -> [T, H, D].
 
-    Keys are gathered per sequence through its block table into [B, max_blocks * block_size];
-    queries are padded to [B, max_query_len]; one masked SDPA call covers the batch. Decode on CPU (one
+    Keys are gathered per sequence through its block table into [B, max_blocks * block_size]. Fresh prompts
+    take one causal SDPA each; otherwise (chunks, verify rows) queries are padded to [B, max_query_len] and
+    masked SDPA calls over query tiles cover the batch. Decode on CPU (one
     query per sequence) goes to the C++ kernel instead, which reads the cache in place: the gather, widening
     and padded SDPA cost more than the decode step's GEMMs at batches of 16-64."""
     if meta.max_query_len == 1 and q.device.type == "cpu" and q.dtype in cpu_ops.STREAM_DTYPES \
@@ -29,13 +32,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_tables = meta.block_tables.clamp(min=0)
     keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2).float()    # [B, Hkv, L, D]
     values = v_cache[block_tables].flatten(1, 2).transpose(1, 2).float()
+    if bool((meta.context_lens == meta.query_lens).all()):
+        return _fresh_prefill(q, keys, values, meta, scale)
     q_idx, q_valid = _padded_query_index(meta)
     queries = q[q_idx].transpose(1, 2).float()                            # [B, H, Qmax, D]
     q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_query_len)
-    mask = torch.arange(keys.shape[2])[None, None, :] <= q_pos[:, :, None]   # [B, Qmax, L]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
-                                         scale=scale, enable_gqa=queries.shape[1] != keys.shape[1])
+    # Query tiles, each against only the keys its queries may see: a long prompt's causal half is never
+    # scored, and no [Qmax, L] score matrix is built at once.
+    tiles = []
+    for lo in range(0, meta.max_query_len, Q_TILE):
+        pos = q_pos[:, lo:lo + Q_TILE]
+        seen = min(keys.shape[2], int(pos.max()) + 1)
+        mask = torch.arange(seen)[None, None, :] <= pos[:, :, None]      # [B, tile, seen]
+        tiles.append(F.scaled_dot_product_attention(queries[:, :, lo:lo + Q_TILE], keys[:, :, :seen],
+                                                    values[:, :, :seen], attn_mask=mask[:, None], scale=scale,
+                                                    enable_gqa=queries.shape[1] != keys.shape[1]))
+    out = torch.cat(tiles, dim=2)
     return out.transpose(1, 2)[q_valid].to(q.dtype)
+
+
+def _fresh_prefill(q, keys, values, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Prompts with nothing cached before them: per sequence one causal SDPA over its own keys, which torch
+    runs as a fused kernel skipping the masked half (half the time of an explicit mask at 4096 tokens).
+    keys, values [B, Hkv, L, D] fp32 -> [T, H, D]."""
+    qsl = meta.query_start_loc.tolist()
+    out = []
+    for i in range(meta.num_seqs):
+        n = qsl[i + 1] - qsl[i]
+        queries = q[qsl[i]:qsl[i + 1]].transpose(0, 1)[None].float()     # [1, H, n, D]
+        out.append(F.scaled_dot_product_attention(queries, keys[i:i + 1, :, :n], values[i:i + 1, :, :n],
+                                                  is_causal=True, scale=scale,
+                                                  enable_gqa=queries.shape[1] != keys.shape[1])[0].transpose(0, 1))
+    return torch.cat(out).to(q.dtype)
 
 
 def _padded_query_index(meta: AttentionMetadata):
