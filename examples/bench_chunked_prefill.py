@@ -32,8 +32,8 @@ def ttft(llm: LLM, long: list[int], short: list[int]) -> dict:
 def _long_prompt_note(times: dict) -> str:
     whole, chunked = (statistics.median(t["long"]) for t in list(times.values())[:2])
     return (f"The long prompt's own prefill took {whole / chunked:.2f}x as long whole as in chunks: each chunk's "
-            "attention reads all the keys before it, while the whole prompt's is one masked attention over a "
-            "[prompt, prompt] score matrix.")
+            "attention reads all the keys before it through masked query tiles, while the whole prompt's is one "
+            "causal attention per layer.")
 
 
 def main() -> None:
