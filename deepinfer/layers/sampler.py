@@ -2,9 +2,8 @@
 
 Sampled rows go through tilelang_ops' "sample" op (the TileLang kernel on CUDA, on the CPU the C++ kernel
 cpu_ops.sample, checked token for token against the torch reference), so both draw by the one documented
-rule. A row whose logits are not
-finite gets token -1: output processing ends that request with finish_reason "error" and the rest of
-the batch carries on."""
+rule. A row whose logits are not finite gets token -1: output processing ends that request with
+finish_reason "error" and the rest of the batch carries on."""
 from dataclasses import dataclass
 
 import torch
