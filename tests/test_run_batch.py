@@ -2,6 +2,7 @@
 equal to LLM.generate / LLM.chat with the same parameters, each bad line an error object naming its fault."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from deepinfer import LLM, SamplingParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_URL = "/v1/chat/completions"
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "the quick"}]}]
 
 
@@ -116,6 +118,39 @@ def test_run_batch_answers_every_line_in_order(tmp_path, chat_model):
     assert "outside the vocabulary" in errors[7]["error"]["message"]
     assert "'stream'" in errors[8]["error"]["message"] and "messages[0]" in errors[9]["error"]["message"]
     assert all(r["response"]["status_code"] == 400 for i, r in errors.items() if i != 6)
+
+
+def test_structured_outputs_in_a_batch_file(tmp_path, chat_model):
+    """OpenAI's response_format and vLLM's structured_outputs / guided_* fields constrain the output."""
+    schema = {"type": "object", "properties": {"c": {"enum": ["x", "yz"]}}, "required": ["c"],
+              "additionalProperties": False}
+    # No free whitespace: the random tiny model would spend any budget on it under OpenAI's json_schema.
+    lines = [line("schema", "/v1/chat/completions", messages=CHAT, temperature=0, max_tokens=40,
+                  structured_outputs={"json": schema, "disable_any_whitespace": True}),
+             line("regex", "/v1/completions", prompt="the quick", temperature=0.9, seed=2, max_tokens=20,
+                  structured_outputs={"regex": "[a-c]{3}"}),
+             line("choice", "/v1/completions", prompt="paris is", temperature=0, max_tokens=20,
+                  guided_choice=["yes", "no way"]),
+             line("two", "/v1/completions", prompt="x", guided_regex="a", guided_choice=["a"]),
+             line("bad schema", "/v1/completions", prompt="x", guided_json={"type": "nonsense"})]
+    results, _ = run_cli(tmp_path, chat_model, lines)
+    texts = [r["response"]["body"] and r["response"]["body"]["choices"][0] for r in results]
+    assert texts[0]["finish_reason"] == "stop" and json.loads(texts[0]["message"]["content"])["c"] in ("x", "yz")
+    assert re.fullmatch("[a-c]{3}", texts[1]["text"]) and texts[2]["text"] in ("yes", "no way")
+    assert "name one constraint" in results[3]["error"]["message"]
+    assert "structured_outputs.json does not compile" in results[4]["error"]["message"]
+
+
+def test_response_format_maps_to_structured_outputs():
+    from deepinfer.entrypoints.openai_protocol import RequestError, sampling_params
+
+    schema = {"type": "object"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    assert sampling_params(CHAT_URL, {"response_format": fmt}).structured_outputs.json == schema
+    assert sampling_params(CHAT_URL, {"response_format": {"type": "json_object"}}).structured_outputs.json_object
+    assert sampling_params(CHAT_URL, {"response_format": {"type": "text"}}).structured_outputs is None
+    with pytest.raises(RequestError, match="response_format"):
+        sampling_params(CHAT_URL, {"response_format": {"type": "xml"}})
 
 
 def test_a_batch_of_only_bad_lines_still_writes_every_result(tmp_path, chat_model):

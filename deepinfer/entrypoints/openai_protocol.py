@@ -13,8 +13,9 @@ _SAME_NAME = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "st
               "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "skip_special_tokens",
               "include_stop_str_in_output")
 # Fields whose non-default values this offline runner cannot honour.
-_UNSUPPORTED = {"stream": False, "echo": False, "suffix": None, "tools": None, "response_format": None,
-                "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None}
+_UNSUPPORTED = {"stream": False, "echo": False, "suffix": None, "tools": None, "structural_tag": None}
+# vLLM's older per-constraint fields -> StructuredOutputsParams keys.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class RequestError(ValueError):
@@ -40,10 +41,33 @@ def sampling_params(url: str, body: dict) -> SamplingParams:
         kwargs["logprobs"] = body.get("logprobs")
     elif body.get("logprobs"):
         kwargs["logprobs"] = body.get("top_logprobs") or 0
+    kwargs["structured_outputs"] = _structured_outputs(body)
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
         raise RequestError(str(e)) from e
+
+
+def _structured_outputs(body: dict) -> dict | None:
+    """The one constraint a body names: OpenAI's response_format (json_schema, json_object), vLLM's
+    structured_outputs object or its guided_* fields."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append({"json_object": True})
+        elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict) and "schema" in fmt["json_schema"]:
+            found.append({"json": fmt["json_schema"]["schema"]})
+        elif kind != "text":
+            raise RequestError("'response_format' must be {'type': 'text' | 'json_object'} or "
+                               "{'type': 'json_schema', 'json_schema': {'schema': ...}}")
+    if body.get("structured_outputs") is not None:
+        found.append(body["structured_outputs"])
+    found += [{key: body[name]} for name, key in _GUIDED.items() if body.get(name) is not None]
+    if len(found) > 1:
+        raise RequestError("name one constraint: response_format, structured_outputs or one guided_* field")
+    return found[0] if found else None
 
 
 def prompt_of(url: str, body: dict, chat_prompt):
