@@ -14,20 +14,29 @@ from deepinfer.sampling_params import SamplingParams
 @dataclass
 class LogitsContext:
     """One sequence's fixed inputs to its processors. bad_words_ids: SamplingParams.bad_words as token-id
-    lists; stop_ids: the tokens that would end the sequence, masked until min_tokens outputs exist."""
+    lists; stop_ids: the tokens that would end the sequence, masked until min_tokens outputs exist. The
+    tensors made from them are built once here, not at every step."""
 
     params: SamplingParams
     prompt_ids: list[int]
     bad_words_ids: list[list[int]]
     stop_ids: list[int]
-    _prompt_mask: torch.Tensor | None = field(default=None, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)
 
-    def prompt_mask(self, vocab: int) -> torch.Tensor:
-        """[V] bool: tokens of the prompt (the repetition penalty's reach besides the outputs)."""
-        if self._prompt_mask is None:
-            self._prompt_mask = torch.zeros(vocab, dtype=torch.bool)
-            self._prompt_mask[torch.tensor(self.prompt_ids, dtype=torch.int64)] = True
-        return self._prompt_mask
+    def __post_init__(self):
+        bias = self.params.logit_bias or {}
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.int64)
+        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self.stop_tensor = torch.tensor(self.stop_ids, dtype=torch.int64)
+
+    def mask(self, name: str, vocab: int) -> torch.Tensor:
+        """[V] bool: the tokens of "prompt" (the repetition penalty's reach besides the outputs) or of
+        "allowed" (allowed_token_ids)."""
+        if name not in self._masks:
+            ids = self.prompt_ids if name == "prompt" else self.params.allowed_token_ids
+            self._masks[name] = torch.zeros(vocab, dtype=torch.bool)
+            self._masks[name][torch.tensor(ids, dtype=torch.int64)] = True
+        return self._masks[name]
 
 
 def needs_processing(params: SamplingParams) -> bool:
@@ -64,18 +73,15 @@ def _process_row(logits: torch.Tensor, ctx: LogitsContext, outputs: list[int]) -
     """logits [V] fp32, changed in place."""
     p = ctx.params
     if p.allowed_token_ids is not None:
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        keep[torch.tensor(p.allowed_token_ids, dtype=torch.int64)] = True
-        logits.masked_fill_(~keep, float("-inf"))
+        logits.masked_fill_(~ctx.mask("allowed", logits.shape[0]), float("-inf"))
     for word in ctx.bad_words_ids:
         prefix = len(word) - 1
         if prefix <= len(outputs) and outputs[len(outputs) - prefix:] == word[:prefix]:
             logits[word[-1]] = float("-inf")
     if len(outputs) < p.min_tokens and ctx.stop_ids:
-        logits[torch.tensor(ctx.stop_ids, dtype=torch.int64)] = float("-inf")
+        logits[ctx.stop_tensor] = float("-inf")
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
-        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+        logits[ctx.bias_ids] += ctx.bias_values
     _apply_penalties(logits, ctx, outputs)
 
 
@@ -88,7 +94,7 @@ def _apply_penalties(logits: torch.Tensor, ctx: LogitsContext, outputs: list[int
         return
     counts = torch.bincount(torch.tensor(outputs, dtype=torch.int64), minlength=vocab)[:vocab].float()
     if p.repetition_penalty != 1.0:
-        seen = ctx.prompt_mask(vocab) | (counts > 0)
+        seen = ctx.mask("prompt", vocab) | (counts > 0)
         penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
         logits.copy_(torch.where(seen, penalised, logits))
     if p.frequency_penalty:
