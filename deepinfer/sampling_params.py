@@ -18,7 +18,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self):
-        set_ = [f.name for f in fields(self) if f.name != "disable_any_whitespace" and getattr(self, f.name)]
+        set_ = self._constraints()
         if len(set_) != 1:
             raise ValueError(f"SamplingParams.structured_outputs needs exactly one of json, regex, choice, grammar, "
                              f"json_object; got {set_ or 'none'}")
@@ -30,9 +30,12 @@ class StructuredOutputsParams:
         if not ok:
             raise ValueError(f"SamplingParams.structured_outputs.{kind} has the wrong type: {value!r}")
 
+    def _constraints(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name != "disable_any_whitespace" and getattr(self, f.name)]
+
     @property
     def kind(self) -> str:
-        return next(f.name for f in fields(self) if f.name != "disable_any_whitespace" and getattr(self, f.name))
+        return self._constraints()[0]
 
     def key(self) -> str:
         """A text that names the constraint exactly (compiled grammars are cached by it)."""
