@@ -70,6 +70,13 @@ class LLM:
         """Writes get_expert_load() to an .npz (load plus shape metadata) for `python -m eplb.replan`."""
         self._eplb().recorder.dump(path)
 
+    def get_spec_decoding_stats(self):
+        """SpecDecodingStats (vLLM's counters: drafts, accepted tokens, acceptance per draft position) of
+        every verification since the engine started."""
+        if self.engine.spec is None:
+            raise ValueError("LLM(speculative=...) is not set, so there are no speculative-decoding stats")
+        return self.engine.spec.stats
+
     def _eplb(self):
         if self.engine.eplb is None:
             raise ValueError("this model has no MoE layers, so it has no expert load")

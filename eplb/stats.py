@@ -37,6 +37,10 @@ class ExpertLoadRecorder:
         self.filled = min(self.filled + 1, self.window)
         self.steps += 1
 
+    def discard_step(self) -> None:
+        """Forget what the step in progress has counted (profiling forwards that served no request)."""
+        self.buf[self.pos].zero_()
+
     def window_load(self) -> torch.Tensor:
         """[W_filled, L, E] completed steps, oldest first (the step in progress is not included)."""
         idx = (torch.arange(self.pos - self.filled, self.pos) % (self.window + 1)).to(self.buf.device)

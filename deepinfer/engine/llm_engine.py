@@ -108,6 +108,8 @@ class LLMEngine:
         self.scheduler = _C.Scheduler(self._scheduler_config())
         self.runner = ModelRunner(self.model, config.block_size)
         self.spec = Speculator(spec_cfg, self) if spec_cfg is not None else None
+        if self.eplb is not None:  # the step-time profile's forwards routed tokens of no request
+            self.eplb.recorder.discard_step()
         self.seqs: dict[int, SeqState] = {}
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Handoff] = []

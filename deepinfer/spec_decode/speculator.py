@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,44 @@ class SpecConfig:
         return cfg
 
 
+@dataclass
+class SpecDecodingStats:
+    """vLLM's speculative-decoding counters since the engine started: num_drafts counts verifications of a
+    sequence with at least one draft, num_draft_tokens / num_accepted_tokens the drafts sent / accepted, and
+    per draft position j (0 = first draft) the drafts verified there and accepted there. A draft is accepted
+    only when every draft before it was, so position j's rate is the chance that j + 1 drafts survive."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.num_draft_tokens_per_pos = [0] * self.num_spec_tokens
+        self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, verified: int, accepted: int) -> None:
+        if verified == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += verified
+        self.num_accepted_tokens += accepted
+        for j in range(verified):
+            self.num_draft_tokens_per_pos[j] += 1
+            self.num_accepted_tokens_per_pos[j] += j < accepted
+
+    def acceptance_per_position(self) -> list[float | None]:
+        """Accepted / verified at each draft position; None where no draft was verified there."""
+        return [a / d if d else None for a, d in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification: 1 (the target's own token) + accepted drafts per draft event."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
 def prepare_model(model, cfg: SpecConfig) -> None:
     """Before the cache is laid out: models with position-indexed rings keep k + 1 extra positions so
     rejected drafts can be rolled back, and an MTP drafter gets its own ring."""
@@ -66,6 +104,7 @@ class Speculator:
         self.drafter = self._make_drafter(cfg, engine)
         self.varlen = _C.MTPVarlen(step_time_curve(engine, self.k))
         self.schedule_seconds = 0.0
+        self.stats = SpecDecodingStats(self.k)
 
     @staticmethod
     def _make_drafter(cfg: SpecConfig, engine):
@@ -107,6 +146,7 @@ class Speculator:
             out.append(toks)
             verified.append(len(drafts))
             accepted.append(max(0, len(toks) - 1))
+            self.stats.observe(verified[-1], accepted[-1])
         self.drafter.observe(batch.seq_ids, verified, accepted)
         return out
 
