@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.models.deepseek_v4 import mtp_checkpoint_tensors
 from test_deepseek_v4 import SWA, _rewrite_checkpoint, hf_greedy, make_checkpoint, prompt_of, randomize_, tiny_config
 
 
@@ -30,15 +31,7 @@ def mtp_reference_module(seed):
 
 def mtp_tensors(ref_dir, extra):
     """The reference module's checkpoint renamed into DeepSeek's `mtp.0.*` layout."""
-    out = {f"mtp.0.{k}": v for k, v in extra.items()}
-    for name, t in load_file(str(ref_dir / "model.safetensors")).items():
-        if name.startswith("model.layers.0."):
-            out["mtp.0." + name[len("model.layers.0."):]] = t
-        elif name.startswith("model.hc_head."):
-            out["mtp.0.hc_head_" + name.split("hc_head.hc_")[1]] = t
-        elif name == "model.norm.weight":
-            out["mtp.0.norm.weight"] = t
-    return out
+    return mtp_checkpoint_tensors(load_file(str(ref_dir / "model.safetensors")), extra)
 
 
 @pytest.fixture(scope="module")

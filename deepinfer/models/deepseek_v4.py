@@ -247,6 +247,23 @@ _MTP_OWN = {"hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "h
 _MTP_SHARED = ("emb.tok_emb.weight", "head.weight", "embed_tokens.weight", "shared_head.head.weight")
 
 
+def mtp_checkpoint_tensors(one_layer: dict, own: dict, index: int = 0) -> dict:
+    """Writes an MTP layer in DeepSeek's checkpoint layout. one_layer: the state of a one-layer transformers
+    DeepseekV4 model (with or without the `model.` prefix) whose layer, HyperHead and final norm are the MTP
+    block, head and head norm; own: the MTP's enorm / hnorm / e_proj / h_proj tensors by their names
+    ("enorm.weight", ...) -> {"mtp.{index}.*": tensor}."""
+    out = {f"mtp.{index}.{k}": v for k, v in own.items()}
+    for name, t in one_layer.items():
+        name = name[len("model."):] if name.startswith("model.") else name
+        if name.startswith("layers.0."):
+            out[f"mtp.{index}." + name[len("layers.0."):]] = t
+        elif name.startswith("hc_head."):
+            out[f"mtp.{index}.hc_head_" + name.split("hc_head.hc_")[1]] = t
+        elif name == "norm.weight":
+            out[f"mtp.{index}.norm.weight"] = t
+    return out
+
+
 def hf_to_param(name: str) -> tuple[str, int | None, int | None]:
     """Checkpoint tensor name -> (parameter name, expert index or None, shard of a fused tensor or None)."""
     n = name[len("model."):] if name.startswith("model.") else name
