@@ -23,7 +23,8 @@ def load_model(path: str, dtype: torch.dtype):
     if not archs:
         raise ValueError(f"{path}: config has no 'architectures' entry")
     model = get_model_class(archs[0])(hf_config, dtype)
-    weights = gguf_weights(gguf_file, hf_config, reader) if gguf_file else safetensors_weights(path)
+    weights = gguf_weights(gguf_file, hf_config, reader) if gguf_file else \
+        safetensors_weights(path, fp8_block_size(hf_config, path))
     with torch.no_grad():
         model.load_weights(weights)
     return model.eval(), hf_config
@@ -58,20 +59,75 @@ def hf_dir_config(path: str):
         raise ValueError(f"{config_path}: cannot parse model config: {e}") from e
 
 
-def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def fp8_block_size(hf_config, path: str) -> tuple[int, int]:
+    """The (rows, cols) block of an FP8 checkpoint's weight scales: DeepSeek's `quantization_config`
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}), or 128 x 128 where there is none."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return (128, 128)
+    q = q if isinstance(q, dict) else q.to_dict()
+    if q.get("quant_method") != "fp8":
+        raise ValueError(f"{path}: quantization_config quant_method {q.get('quant_method')!r} is not supported "
+                         "(block-scaled 'fp8' is)")
+    block = q.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"{path}: quantization_config weight_block_size {block!r} must be two positive integers")
+    return tuple(block)
+
+
+# An FP8 weight `X.weight` carries its dequantisation multipliers, one per block, as `X.weight_scale_inv`
+# (transformers' and DeepSeek's released layout) or `X.scale` (DeepSeek's inference layout).
+_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+def _scale_name(weight: str, names) -> str | None:
+    for candidate in (weight + "_scale_inv", weight[:-len("weight")] + "scale"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """weight [..., R, C] FP8 and scale_inv [..., ceil(R / br), ceil(C / bc)] -> float32 weight * its block's
+    scale (the reference block-scaling rule: w = q * scale_inv over each br x bc block)."""
+    rows, cols = weight.shape[-2:]
+    want = (*weight.shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"checkpoint tensor {name!r}: FP8 weight {tuple(weight.shape)} with {block[0]}x{block[1]} "
+                         f"blocks needs scales of shape {want}, the checkpoint's are {tuple(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)
+    return weight.float() * scale[..., :cols]
+
+
+def safetensors_weights(path: str, fp8_block: tuple[int, int] = (128, 128)) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint tensor; FP8 weights come dequantised with their block scales,
+    which are not yielded themselves."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path!r} has no .safetensors files")
+    where = {}
     for file in files:
         try:
             handle = safe_open(file, framework="pt")
         except Exception as e:
             raise ValueError(f"{file}: not a readable safetensors file: {e}") from e
-        with handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        where.update({name: handle for name in handle.keys()})
+    fp8 = {name for name, h in where.items() if h.get_slice(name).get_dtype() in _FP8_DTYPES}
+    scales = {}
+    for name in fp8:
+        scale = _scale_name(name, where)
+        if scale is None:
+            raise ValueError(f"checkpoint tensor {name!r} is FP8 but has no {name + '_scale_inv'!r} scales")
+        scales[name] = scale
+    for name, handle in where.items():
+        if name in scales.values():
+            continue
+        tensor = handle.get_tensor(name)
+        if name in scales:
+            tensor = dequantize_fp8(tensor, where[scales[name]].get_tensor(scales[name]), fp8_block, name)
+        yield name, tensor
 
 
 def _gguf_reader(file: str):

@@ -1,0 +1,136 @@
+"""Block-scaled FP8 checkpoints, as DeepSeek releases them: `X.weight` in float8_e4m3fn plus `X.weight_scale_inv`
+(or `X.scale`), one fp32 multiplier per block of `quantization_config.weight_block_size`. A tiny DeepSeek-V4
+written that way with the reference block-scaling rule loads to exactly the weights of the same checkpoint
+dequantised by hand, and generates transformers' tokens for them; bad scales are refused by name."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from test_deepseek_v4 import _rewrite_checkpoint, hf_greedy, make_checkpoint, prompt_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = (16, 24)  # the tiny model's matrices are 16-128 wide: several blocks each, ragged at the edges
+FP8_MAX = 448.0
+
+
+def quantize_blocks(w: torch.Tensor, block=BLOCK):
+    """Reference rule, per br x bc block: scale = amax / 448, q = fp8(w / scale) -> (q, scale_inv [nr, nc])."""
+    rows, cols = w.shape
+    nr, nc = -(-rows // block[0]), -(-cols // block[1])
+    padded = torch.zeros(nr * block[0], nc * block[1])
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(nr, block[0], nc, block[1])
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nr * block[0], nc * block[1])
+    return q[:rows, :cols].contiguous(), scale
+
+
+def dequantize_by_hand(q: torch.Tensor, scale: torch.Tensor, block=BLOCK) -> torch.Tensor:
+    rows, cols = q.shape
+    full = scale[:, None, :, None].expand(-1, block[0], -1, block[1]).reshape(scale.shape[0] * block[0], -1)
+    return q.float() * full[:rows, :cols]
+
+
+def quantized(name: str, t: torch.Tensor) -> bool:
+    """Linear weights are FP8 in DeepSeek's checkpoints; embeddings, the head and router gates are not."""
+    return (t.dim() == 2 and name.endswith(".weight") and t.is_floating_point()
+            and not any(x in name for x in ("embed", "head", ".gate.weight")))
+
+
+def fp8_tensors(tensors: dict) -> dict:
+    out = {}
+    for name, t in tensors.items():
+        if quantized(name, t):
+            out[name], out[name + "_scale_inv"] = quantize_blocks(t)
+        else:
+            out[name] = t
+    return out
+
+
+def hand_dequantized(tensors: dict) -> dict:
+    return {n: dequantize_by_hand(*quantize_blocks(t)) if quantized(n, t) else t for n, t in tensors.items()}
+
+
+def with_quant_config(path, **quant):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(BLOCK), **quant}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from transformers import DeepseekV4ForCausalLM as HF
+
+    root = tmp_path_factory.mktemp("fp8")
+    make_checkpoint(root / "bf", seed=11)
+    fp8 = with_quant_config(_rewrite_checkpoint(root / "bf", root / "fp8", fp8_tensors))
+    deq = _rewrite_checkpoint(root / "bf", root / "deq", hand_dequantized)
+    hf = HF.from_pretrained(str(deq), dtype=torch.float32).eval()
+    return fp8, deq, hf
+
+
+def test_fp8_weights_load_dequantised_by_their_block_scales(ckpts):
+    from deepinfer.models.loader import load_model
+
+    from safetensors.torch import load_file
+
+    fp8, deq, _ = ckpts
+    stored = load_file(str(fp8 / "model.safetensors"))
+    assert sum(t.dtype == torch.float8_e4m3fn for t in stored.values()) >= 20  # attention, experts, compressors
+    ours, _ = load_model(str(fp8), torch.float32)
+    ref, _ = load_model(str(deq), torch.float32)
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.equal(p, ref_params[name]), name
+
+
+def test_fp8_checkpoint_generates_transformers_tokens(ckpts):
+    fp8, _, hf = ckpts
+    prompts = [prompt_of(9, 1), prompt_of(30, 2)]
+    llm = LLM(str(fp8), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_deepseek_inference_layout_scale_names(ckpts, tmp_path):
+    """DeepSeek's own inference code names the scales `X.scale`."""
+    from deepinfer.models.loader import load_model
+
+    fp8, deq, _ = ckpts
+    renamed = _rewrite_checkpoint(fp8, tmp_path / "scale", lambda t: {
+        (n[:-len("weight_scale_inv")] + "scale" if n.endswith("weight_scale_inv") else n): v for n, v in t.items()})
+    ours, _ = load_model(str(renamed), torch.float32)
+    ref = dict(load_model(str(deq), torch.float32)[0].named_parameters())
+    assert all(torch.equal(p, ref[n]) for n, p in ours.named_parameters())
+
+
+def test_bad_fp8_checkpoints_are_refused_by_name(ckpts, tmp_path):
+    from deepinfer.models.loader import load_model
+
+    fp8, _, _ = ckpts
+    name = "model.layers.1.attn.wq_a.weight"
+
+    def bad_shape(t):
+        t[name + "_scale_inv"] = t[name + "_scale_inv"][:, :1].contiguous()
+        return t
+
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq_a\.weight.*scales of shape"):
+        load_model(str(_rewrite_checkpoint(fp8, tmp_path / "shape", bad_shape)), torch.float32)
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq_a\.weight.*FP8 but has no"):
+        load_model(str(_rewrite_checkpoint(fp8, tmp_path / "missing",
+                                           lambda t: {n: v for n, v in t.items() if n != name + "_scale_inv"})),
+                   torch.float32)
+    other = tmp_path / "awq"
+    shutil.copytree(fp8, other)
+    with pytest.raises(ValueError, match=r"quant_method 'awq'"):
+        load_model(str(with_quant_config(other, quant_method="awq")), torch.float32)
+    odd = tmp_path / "odd"
+    shutil.copytree(fp8, odd)
+    with pytest.raises(ValueError, match=r"weight_block_size \[0, 24\]"):
+        load_model(str(with_quant_config(odd, weight_block_size=[0, 24])), torch.float32)
