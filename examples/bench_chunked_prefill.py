@@ -12,7 +12,7 @@ import time
 import torch
 
 from deepinfer import LLM, SamplingParams, platform
-from deepinfer.default_model import default_model_path
+from deepinfer.default_model import smollm2_path
 from deepinfer.docs import write_section
 
 
@@ -52,7 +52,7 @@ def main() -> None:
                f"chunks of {args.budget}": dict(max_num_batched_tokens=args.budget),
                f"chunks of {args.budget}, at most {args.threshold} per prompt":
                    dict(max_num_batched_tokens=args.budget, long_prefill_token_threshold=args.threshold)}
-    engines = {name: LLM(default_model_path(), dtype=args.dtype, max_model_len=max_len, kv_cache_memory=512 << 20,
+    engines = {name: LLM(smollm2_path(), dtype=args.dtype, max_model_len=max_len, kv_cache_memory=512 << 20,
                          **kw) for name, kw in configs.items()}
     for llm in engines.values():  # warm-up: GEMM plans, caches
         ttft(llm, long[:600], short)
@@ -64,7 +64,7 @@ def main() -> None:
     rows = [f"| {name} | {statistics.median(t['short']):.2f} | {statistics.median(t['long']):.2f} |"
             for name, t in times.items()]
     body = (f"CPU: `{platform.cpu_flags()}`, {next(iter(engines.values())).engine.config.num_threads} thread(s), "
-            f"default model (SmolLM2-135M-Instruct), {args.dtype}. A {args.long}-token prompt and a {args.short}-token "
+            f"SmolLM2-135M-Instruct, {args.dtype}. A {args.long}-token prompt and a {args.short}-token "
             f"prompt submitted together (the long one first), median of {args.rounds} alternating rounds. Command: "
             f"`python examples/bench_chunked_prefill.py --long {args.long} --short {args.short} --budget {args.budget} "
             f"--threshold {args.threshold} --rounds {args.rounds}`.\n\n"

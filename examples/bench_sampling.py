@@ -12,7 +12,7 @@ import time
 import torch
 
 from deepinfer import LLM, SamplingParams, platform
-from deepinfer.default_model import default_model_path
+from deepinfer.default_model import smollm2_path
 from deepinfer.docs import write_section
 from tilelang_ops.dispatch import get_op
 
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    llm = LLM(default_model_path(), dtype="bfloat16", max_model_len=512, kv_cache_memory=256 << 20,
+    llm = LLM(smollm2_path(), dtype="bfloat16", max_model_len=512, kv_cache_memory=256 << 20,
               max_num_seqs=args.batch)
     vocab = llm.engine.vocab_size
     ops = {f"temperature 0.8{extra}": op_ms(args.batch, vocab, p, k)
@@ -78,7 +78,7 @@ def main() -> None:
             "(checked here on every input); before it, the CPU engine ran the reference.\n\n"
             f"The op alone, {args.batch} rows x {vocab} tokens (best of 5):\n\n"
             "| rows | C++ kernel ms | torch reference ms | speedup |\n|---|---|---|---|\n" + rows + "\n\n"
-            f"Decode at batch {args.batch} on the default model (SmolLM2-135M-Instruct, bf16; temperature 0.8, "
+            f"Decode at batch {args.batch} on SmolLM2-135M-Instruct (bf16; temperature 0.8, "
             f"top-p 0.95, seeded), median ms per step over {args.rounds} alternating rounds: {kernel:.1f} with the "
             f"kernel, {ref:.1f} with the reference ({ref / kernel:.2f}x).")
     print(body)

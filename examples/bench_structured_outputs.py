@@ -11,7 +11,7 @@ import time
 from unittest import mock
 
 from deepinfer import LLM, SamplingParams, platform
-from deepinfer.default_model import default_model_path
+from deepinfer.default_model import smollm2_path
 from deepinfer.docs import write_section
 from deepinfer.layers import sampler
 
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    llm = LLM(default_model_path(), dtype=args.dtype, max_model_len=1024, kv_cache_memory=512 << 20,
+    llm = LLM(smollm2_path(), dtype=args.dtype, max_model_len=1024, kv_cache_memory=512 << 20,
               max_num_seqs=args.batch, num_threads=args.threads)
     decode_steps(llm, args.batch, 4, True)  # compiles the schema once, warms both paths
     ms, grammar_ms = {False: [], True: []}, []
@@ -80,8 +80,8 @@ def main() -> None:
             ms[constrained] += steps
             grammar_ms += grammar if constrained else []
     free, bound = statistics.median(ms[False]), statistics.median(ms[True])
-    body = (f"CPU: `{platform.cpu_flags()}`, {llm.engine.config.num_threads} thread(s), default model "
-            f"(SmolLM2-135M-Instruct), {args.dtype}, batch {args.batch}, {args.new} new tokens, {args.rounds} "
+    body = (f"CPU: `{platform.cpu_flags()}`, {llm.engine.config.num_threads} thread(s), "
+            f"SmolLM2-135M-Instruct, {args.dtype}, batch {args.batch}, {args.new} new tokens, {args.rounds} "
             f"alternating rounds. Command: `python examples/bench_structured_outputs.py --batch {args.batch} "
             f"--new {args.new} --rounds {args.rounds}`.\n\n"
             "Every request under a JSON schema (an object holding an array of at least 60 short strings, so no "

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.default_model import default_model_path
+from deepinfer.default_model import smollm2_path
 from deepinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from deepinfer.models.loader import load_tokenizer
 
@@ -18,8 +18,8 @@ MULTIBYTE = ["😀", "🎉👍", " 日本語", "中文字", "naïve café", "Ω�
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """The embedded SmolLM2 GGUF's tokenizer: byte-level BPE, 49152 tokens."""
-    return load_tokenizer(default_model_path())
+    """SmolLM2's GGUF's tokenizer: byte-level BPE, 49152 tokens."""
+    return load_tokenizer(smollm2_path())
 
 
 @pytest.fixture(scope="module")

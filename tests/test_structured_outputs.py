@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.default_model import default_model_path
+from deepinfer.default_model import smollm2_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "tag"],
@@ -96,7 +96,7 @@ def test_speculation_with_structured_outputs_is_lossless(tiny_qwen3_moe, qwen, m
 
 
 def test_the_default_model_writes_valid_json():
-    llm = LLM(default_model_path(), dtype="float32", max_model_len=512, kv_cache_memory=64 << 20)
+    llm = LLM(smollm2_path(), dtype="float32", max_model_len=512, kv_cache_memory=64 << 20)
     chats = [[{"role": "user", "content": f"Reply with a JSON object with keys name and age for {c}."}]
              for c in ("France", "a cat")]
     for kind, so in (("json", CONSTRAINTS["json"]), ("json_object", {"json_object": True}),
