@@ -7,7 +7,9 @@
     on window t+1, by window sums and by per-step peaks);
 (b) planning time for 58 layers x 256 experts -> 288 slots, decode EP144 (global) and prefill EP32 on
     4 nodes (hierarchical), against ``eplb.reference`` (DeepSeek's loops, re-implemented faithfully);
-(c) expert slots moved per replan on a slowly drifting trace, with and without the previous plan.
+(c) expert slots moved per replan on a slowly drifting trace, with and without the previous plan;
+(d) real routing: the trained default model (deepinfer/assets/tiny-moe) serving held-out source, its
+    per-step loads scored like (a), beside a Zipf trace of the same shape.
 
 moe_lb here is ``moe_lb_total``: sum over layers (and steps) of the busiest GPU's tokens over the sum of
 the mean, 1.0 = perfect. Prints a table and writes it to docs/benchmarks.md under "## EPLB".
@@ -151,6 +153,64 @@ def moves(lines):
     lines.append("")
 
 
+def real_trace(prompts=64, prompt_tokens=64, new_tokens=32, batch=16):
+    """[steps, L, E] expert loads of the default model generating from held-out source, one row per
+    engine step (prefill steps carry whole prompts, decode steps one token per sequence)."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.default_model import default_model_path, held_out_prompts
+
+    llm = LLM(default_model_path(), dtype="float32", max_num_seqs=batch, kv_cache_memory=256 << 20)
+    ids = held_out_prompts(llm.get_tokenizer(), prompts, prompt_tokens)
+    llm.generate([{"prompt_token_ids": p} for p in ids],
+                 SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    return llm.get_expert_load()
+
+
+def score_rows(trace, gpus, slots):
+    """Plain vs EPLB placement of trace [steps, L, E]: planned on the whole trace (in-sample) and on its
+    first half (scored on the second) -> {placement: (in sums, in peaks, next sums, next peaks)}."""
+    L, E = trace.shape[1:]
+    half = trace.shape[0] // 2
+    plans = {f"plain, {E // gpus} per GPU": lambda w: identity_phy2log(L, E, E),
+             f"EPLB, {slots} slots ({slots // gpus} per GPU)": lambda w: rebalance_experts(w.sum(0), slots, 1, 1, gpus)[0]}
+    out = {}
+    for name, plan in plans.items():
+        p_in, p_half = plan(trace), plan(trace[:half])
+        out[name] = (moe_lb_total(trace.sum(0), p_in, gpus), moe_lb_total(trace, p_in, gpus),
+                     moe_lb_total(trace[half:].sum(0), p_half, gpus), moe_lb_total(trace[half:], p_half, gpus))
+    return out
+
+
+def real_routing(lines):
+    """(d) the trained default model's routing beside a Zipf trace with its shape and picks per step."""
+    trace = real_trace()
+    steps, L, E = trace.shape
+    picks = int(trace.sum((1, 2)).float().mean() / L)
+    per_layer = ", ".join(f"{float(x.max() / x.float().mean()):.2f}" for x in trace.sum(0))
+    lines += ["### (d) Real routing: the trained default model", "",
+              f"The embedded tiny DeepSeek-V4 (docs/tiny_moe.md; {L} MoE layers x {E} experts, top-2, the first "
+              "hash-routed) generating 32 tokens after each of 64 held-out 64-token stretches of stdlib source, "
+              f"batch 16, fp32: {steps} engine steps, {picks} picks per layer per step on average. Per-layer "
+              f"max / mean load over the run: {per_layer}. Placed on 4 GPUs; in-sample = planned and scored on "
+              "the whole trace, next half = planned on its first half and scored on the second. The Zipf rows "
+              "are (a)'s generator at the same shape and mean picks per step (rho 0.995, sd 0.3).", "",
+              "| trace | placement | in-sample sums | in-sample peaks | next half sums | next half peaks |",
+              "|---|---|---|---|---|---|"]
+    zipf = zipf_trace(L, E, steps, 0.6, 0.995, 0.3, picks, seed=11)
+    peaks = {}  # trace -> next-half peaks of (plain, EPLB)
+    for label, tr in (("real (tiny-moe)", trace), ("Zipf 0.6, same shape", zipf)):
+        rows = score_rows(tr, 4, E + E // 2)
+        peaks[label] = [scores[3] for scores in rows.values()]
+        for name, scores in rows.items():
+            lines.append(f"| {label} | {name} | " + " | ".join(f"{x:.4f}" for x in scores) + " |")
+            print(lines[-1], flush=True)
+    (real_plain, real_eplb), (zipf_plain, zipf_eplb) = peaks.values()
+    lines += ["", f"Next-half peaks: EPLB takes the real trace from {real_plain:.3f} to {real_eplb:.3f} and the Zipf "
+              f"trace from {zipf_plain:.3f} to {zipf_eplb:.3f}. The trained router is far less skewed than Zipf 0.6: "
+              "its aux-loss-free bias balancing evened the load during training, so what is left for EPLB is mostly "
+              "per-step noise of 16 sequences, which a plan from the past does not predict.", ""]
+
+
 def write_docs(lines, path=DOCS):
     """Replace the '## EPLB' section of the shared benchmarks file (or append it), nothing else."""
     section = "## EPLB\n\n" + "\n".join(lines).rstrip() + "\n\n"
@@ -173,6 +233,7 @@ def main(argv=None):
     probe(lines)
     timing(lines)
     moves(lines)
+    real_routing(lines)
     lines.append(f"Total benchmark time {time.perf_counter() - t0:.0f} s.")
     print(lines[-1])
     if not args.no_docs:
