@@ -60,8 +60,8 @@ class EngineConfig:
                              "integer >= 0 (0: no cap)")
         if not isinstance(self.num_threads, int) or self.num_threads < 1:
             raise ValueError(f"LLM(num_threads={self.num_threads!r}) must be a positive integer")
-        if self.kv_cache_dtype not in ("auto", "fp4"):
-            raise ValueError(f"LLM(kv_cache_dtype={self.kv_cache_dtype!r}) must be 'auto' or 'fp4'")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp4", "fp4_all"):
+            raise ValueError(f"LLM(kv_cache_dtype={self.kv_cache_dtype!r}) must be 'auto', 'fp8', 'fp4' or 'fp4_all'")
         if self.engine_type not in ("normal", "prompt", "completion"):
             raise ValueError(f"LLM(engine_type={self.engine_type!r}) must be normal, prompt or completion")
 

@@ -43,6 +43,25 @@ def test_llm_preemption_and_recompute_match(ckpt):
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp4", "fp4_all"])
+def test_quantised_pools_hand_off_from_prompt_to_completion(ckpt, kv_cache_dtype):
+    """A COMPLETION engine that imports PROMPT engines' quantised blocks and StateBlocks, bytes as stored,
+    decodes the tokens a NORMAL engine with the same pools does."""
+    path, prompts, _ = ckpt
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
+    normal = LLM(path, **kw).generate(prompts, greedy(24), use_tqdm=False)
+    prefill = LLM(path, engine_type="prompt", **kw)
+    prefill.generate(prompts, greedy(24), use_tqdm=False)
+    decode = LLM(path, engine_type="completion", **kw)
+    for handoff in prefill.engine.handoffs:
+        assert decode.engine.import_handoff(handoff)
+    done = {}
+    while decode.engine.has_unfinished():
+        done.update({out.request_id: out.outputs[0].token_ids for out in decode.engine.step()[0]})
+    order = [h.request_id for h in prefill.engine.handoffs]
+    assert [done[rid] for rid in order] == [normal[i].outputs[0].token_ids for i in range(len(prompts))]
+
+
 def test_llm_fp4_kv_cache_runs_and_mostly_agrees(ckpt):
     path, prompts, refs = ckpt
     llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, kv_cache_dtype="fp4")

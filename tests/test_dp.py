@@ -102,9 +102,10 @@ def test_expert_load_is_summed_over_ranks(dp2, tmp_path):
     assert np.load(tmp_path / "load.npz")["load"].shape == tuple(load.shape)
 
 
-def test_deepseek_v4_greedy_dp2_matches_dp1(tmp_path, ray_local):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp4_all"])
+def test_deepseek_v4_greedy_dp2_matches_dp1(tmp_path, ray_local, kv_cache_dtype):
     """DeepSeek-V4's routed MoE goes expert-parallel through the same RoutedMoE hook (3 of 6 experts per
-    rank), hash-routed layers included."""
+    rank), hash-routed layers included; the quantised pools (FP4 entries, NVFP4 ring) live on each rank."""
     import ray
 
     pytest.importorskip("transformers").DeepseekV4ForCausalLM  # noqa: B018
@@ -112,7 +113,7 @@ def test_deepseek_v4_greedy_dp2_matches_dp1(tmp_path, ray_local):
 
     make_checkpoint(tmp_path, seed=1)
     ps = [prompt_of(5, 31), prompt_of(37, 32), prompt_of(19, 34), prompt_of(48, 35)]
-    kw = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, num_threads=1)
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, num_threads=1, kv_cache_dtype=kv_cache_dtype)
     ref = LLM(str(tmp_path), **kw).generate(ps, GREEDY, use_tqdm=False)
     llm = LLM(str(tmp_path), data_parallel_size=2, **kw)
     outs = llm.generate(ps, GREEDY, use_tqdm=False)

@@ -146,3 +146,30 @@ def test_seeded_sampling_with_speculation_equals_plain_sampling(v4):
         outs = LLM(path, speculative=spec, **kwargs).generate(PROMPTS, params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == want
         assert sum(o.metrics.spec_verified_drafts for o in outs) > 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp4", "fp4_all"])
+def test_quantised_pools_are_rollback_safe(v4, kv_cache_dtype):
+    """With FP8 / FP4 entries and an FP8 / NVFP4 window ring, rejected drafts' rows are overwritten as in the
+    exact pools: speculation (mostly right drafts, then all-wrong ones) gives plain decoding's tokens with
+    the same pools, and so does a run that preempts sequences mid-speculation."""
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from test_deepseek_v4 import tiny_config
+
+    path, _ = v4
+    kw = dict(dtype="float32", kv_cache_dtype=kv_cache_dtype, block_size=16)
+    plain = LLM(path, kv_cache_memory=4 << 20, max_num_seqs=4, **kw).generate(PROMPTS, greedy(), use_tqdm=False)
+    refs = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, plain)}
+    for acceptance in (0.75, 0.0):
+        spec = {"method": "replay", "num_draft_tokens": 4, "acceptance": acceptance, "verify": "all", "references": refs}
+        outs = LLM(path, kv_cache_memory=4 << 20, max_num_seqs=4, speculative=spec, **kw).generate(
+            PROMPTS, greedy(), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [refs[tuple(p)] for p in PROMPTS]
+    sizing = DeepseekV4ForCausalLM(tiny_config())
+    sizing.max_backtracking = 5
+    cache = sizing.cache_spec(16, kv_cache_dtype)
+    llm = LLM(path, kv_cache_memory=2 * cache.bytes_per_state_block + 7 * cache.bytes_per_block, max_num_seqs=2,
+              max_model_len=96, speculative=spec, **kw)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert llm.engine.cache.num_blocks == 7 and llm.engine.scheduler.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outs] == [refs[tuple(p)] for p in PROMPTS]

@@ -16,9 +16,10 @@ window a token closes is visible to that token.
 Where things live:
   paged pool  compressed entries (CSA main KV, HCA KV, indexer keys): entry w of a sequence sits in block
               block_table[w // per_block] at row w % per_block, per_block = block_size / m. Exact (model
-              dtype) or FP4 (NVFP4 main KV, MXFP4 indexer keys): quantised on write, dequantised on read.
+              dtype), FP8 or FP4 (NVFP4 main KV, MXFP4 indexer keys): quantised on write, dequantised on read.
   state pool  per sequence, every tensor a ring indexed by POSITION (row = position % its length):
-              the SWA ring (sliding_window + mb rows of K=V), the CSA and indexer compressors' raw rings
+              the SWA ring (sliding_window + mb rows of K=V; exact, FP8 or NVFP4 as kv_cache_dtype says,
+              read through the same EntryPool as the entries), the CSA and indexer compressors' raw rings
               (2 * rate + mb rows of kv and raw gate: the previous window for its Ca half and the current
               one), the HCA accumulator ring (mb rows: the online-softmax state after each position).
               mb = max_backtracking = draft tokens + 1 (1 without speculation).
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.formats import fp4, fp8
 from deepinfer.layers.hyper_connection import unweighted_rms_norm
 
 from deepinfer.layers.linear import linear  # bf16 weights -> C++ AVX2 GEMM (torch's bf16 matmul is ~8 GFLOP/s here)
@@ -83,9 +85,14 @@ def write_ring(ring: torch.Tensor, slot: int, p0: int, values: torch.Tensor) -> 
     some step wrote q + k * L (k >= 1) >= p - need + L >= p + mb - 1: none did. Rows of positions >= p
     (rejected drafts included) are rewritten by the step that reaches them before anything reads them,
     as every read is bounded by the reading query's position."""
-    L, S = ring.shape[1], values.shape[0]
+    keep, rows = ring_rows(ring.shape[1], p0, values.shape[0])
+    ring[slot, rows] = values[keep:]
+
+
+def ring_rows(L: int, p0: int, S: int) -> tuple[int, torch.Tensor]:
+    """Positions p0..p0+S-1 into a ring of L rows -> (how many leading ones to skip, rows of the rest)."""
     keep = max(0, S - L)
-    ring[slot, torch.arange(p0 + keep, p0 + S) % L] = values[keep:]
+    return keep, torch.arange(p0 + keep, p0 + S) % L
 
 
 def _param(*shape, dtype) -> nn.Parameter:
@@ -116,9 +123,12 @@ class RMSNorm(nn.Module):
 
 
 class EntryPool:
-    """One layer's compressed entries in the paged pool. data [num_blocks, per_block, D] in the model dtype
-    ('auto'), or packed uint8 [num_blocks, per_block, D/2] plus scale [num_blocks, per_block, D/16 | D/32]
-    ('nvfp4' | 'mxfp4')."""
+    """Rows of D values in a pool tensor of [n, per_block, ...]: one layer's compressed entries in the paged
+    pool (n = blocks, per_block = entries per block) or its SWA ring in the state pool (n = sequence slots,
+    per_block = ring length). A flat row is n_index * per_block + offset. Formats: data [n, per_block, D]
+    in the model dtype ('auto'); E4M3 bytes [n, per_block, D] plus an fp32 scale [n, per_block, 1] per row
+    ('fp8', deepinfer/formats/fp8.py); packed uint8 [n, per_block, D/2] plus scale [n, per_block, D/16 |
+    D/32] ('nvfp4' | 'mxfp4', deepinfer/formats/fp4.py)."""
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None, fmt: str, dtype: torch.dtype):
         self.data, self.scale, self.fmt, self.dtype = data, scale, fmt, dtype
@@ -139,16 +149,37 @@ class EntryPool:
         """rows [N], values [N, D]."""
         if self.fmt == "auto":
             self.data.view(-1, self.data.shape[-1])[rows] = values.to(self.data.dtype)
-            return
-        self.kv_store(values, rows, self.data, self.scale, self.fmt)
+        elif self.fmt == "fp8":
+            q, scale = fp8.quantize_fp8(values)
+            self.data.view(-1, self.data.shape[-1])[rows] = q
+            self.scale.view(-1, 1)[rows] = scale
+        else:
+            self.kv_store(values, rows, self.data, self.scale, self.fmt)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [...] -> entries [..., D] in the model dtype."""
+        flat = rows.reshape(-1)
         if self.fmt == "auto":
-            return self.data.view(-1, self.data.shape[-1])[rows]
-        entries, _ = self.kv_load(self.data, self.scale, self.all_blocks, rows.reshape(1, -1), self.fmt,
-                                  dtype=self.dtype)
+            entries = self.data.view(-1, self.data.shape[-1]).index_select(0, flat)
+        elif self.fmt == "fp8":
+            q = self.data.view(-1, self.data.shape[-1]).index_select(0, flat)
+            entries = fp8.dequantize_fp8(q, self.scale.view(-1, 1).index_select(0, flat), self.dtype)
+        else:
+            entries, _ = self.kv_load(self.data, self.scale, self.all_blocks, flat[None], self.fmt, dtype=self.dtype)
         return entries.view(*rows.shape, entries.shape[-1])
+
+    def roundtrip(self, values: torch.Tensor) -> torch.Tensor:
+        """values [N, D] as read() would return them after write(): what a query sees of keys it takes
+        straight from this step's projections, so that prefill, decode and chunked prefill agree."""
+        if self.fmt == "auto":
+            return values.to(self.data.dtype).to(self.dtype)
+        if self.fmt == "fp8":
+            return fp8.dequantize_fp8(*fp8.quantize_fp8(values), self.dtype)
+        quantize, dequantize = FP4_CODECS[self.fmt]
+        return dequantize(*quantize(values), dtype=self.dtype)
+
+
+FP4_CODECS = {"nvfp4": (fp4.quantize_nvfp4, fp4.dequantize_nvfp4), "mxfp4": (fp4.quantize_mxfp4, fp4.dequantize_mxfp4)}
 
 
 class Compressor(nn.Module):
@@ -452,7 +483,7 @@ class V4Attention(nn.Module):
                 self.compressor.indexer = Indexer(cfg, rate, dtype)
             else:
                 self.compressor = HCACompressor(cfg.hidden_size, self.head_dim, rate, self.eps, dtype)
-        self.ring: torch.Tensor | None = None  # state pool [slots, ring_len, D]
+        self.ring: EntryPool | None = None  # SWA ring in the state pool: ring_len rows per sequence slot
         self.attend = get_op("v4_decode_attention")  # TileLang kernel on CUDA, C++ kernel on the CPU
         self.input_weight: torch.Tensor | None = None  # fuse_input_projections() after loading
         self.input_splits: list[int] = []
@@ -504,7 +535,7 @@ class V4Attention(nn.Module):
             out = torch.cat([self._prefill_seq(i, q, kv, q_res, cos, sin, comp, meta, replay_start)
                              for i in range(meta.num_seqs)])
         else:
-            if meta.max_query_len > self.ring.shape[1] - self.window:
+            if meta.max_query_len > self.ring.per_block - self.window:
                 raise ValueError(f"a verify step of {meta.max_query_len} tokens could not be rolled back: the "
                                  "model's max_backtracking must be at least that before cache_spec()")
             out = self._decode(q, kv, q_res, cos, sin, comp, meta)
@@ -530,12 +561,13 @@ class V4Attention(nn.Module):
         if self.compressor is not None:
             entries, visible = self._prefill_compressed(a, b, p0, ctx, slot, table, pos, q_res, cos, sin, comp,
                                                         replay_start is None)
-        lo = max(0, p0 - self.window + 1, replay_start or 0)
+        lo, L = max(0, p0 - self.window + 1, replay_start or 0), self.ring.per_block
         # ring_len = window + mb rows, window - 1 of them read before p0: rolled-back drafts never
-        # clobber those (write_ring); this chunk's own keys come from kv, not from the ring
-        keys = torch.cat([self.ring[slot, torch.arange(lo, p0) % self.ring.shape[1]], kv[a:b]])
+        # clobber those (write_ring); this chunk's own keys come from kv as the ring would return them
+        keys = torch.cat([self.ring.read(slot * L + torch.arange(lo, p0) % L), self.ring.roundtrip(kv[a:b])])
         out = self._attend_tiles(q[a:b], pos, keys, lo, entries, visible)
-        write_ring(self.ring, slot, p0, kv[a:b])
+        keep, rows = ring_rows(L, p0, b - a)
+        self.ring.write(slot * L + rows, kv[a + keep:b])
         return out
 
     def _prefill_compressed(self, a, b, p0, ctx, slot, table, pos, q_res, cos, sin, comp, emit):
@@ -613,17 +645,15 @@ class V4Attention(nn.Module):
         pos = meta.positions
         slots = meta.state_slots.repeat_interleave(meta.query_lens)
         tables = meta.block_tables.repeat_interleave(meta.query_lens, dim=0)
-        ring_len = self.ring.shape[1]
+        L = self.ring.per_block
         # Every row's kv goes in before any is read. Position p' of the step lands on the row of p' - L
         # <= p0 + l - window - mb < p0 - window, older than any query of the step sees; the window's other
         # rows outlive any rollback (write_ring).
-        self.ring[slots, pos % ring_len] = kv
+        self.ring.write(slots * L + pos % L, kv)
         # each query's window, newest first: positions pos, pos - 1, ... (the first min(pos + 1, window)
         # are real); the step's later tokens sit on rows of p' - L, never among these
         recent = pos[:, None] - torch.arange(self.window)[None, :]
-        # = ring[slots[:, None], recent % ring_len] as one index_select of whole rows (4x faster)
-        flat = (slots[:, None] * ring_len + recent % ring_len).flatten()
-        window = self.ring.view(-1, self.ring.shape[-1]).index_select(0, flat).view(*recent.shape, -1)  # [N, W, D]
+        window = self.ring.read(slots[:, None] * L + recent % L)  # [N, W, D], as whole-row index_selects
         entries = seen = None
         if self.compressor is not None:
             entries, seen = self._decode_compressed(pos, slots, tables, q_res, cos, sin, comp)

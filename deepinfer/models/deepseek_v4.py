@@ -27,6 +27,11 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+# kv_cache_dtype -> formats (v4_attention.EntryPool) of the compressed main KV, the indexer keys and the SWA
+# ring. The raw compression rings stay in the model dtype and HCA's accumulators in fp32 whatever it is: they
+# are a few windows per layer, and the memory plan states their bytes.
+KV_CACHE_FORMATS = {"auto": ("auto", "auto", "auto"), "fp8": ("fp8", "fp8", "fp8"),
+                    "fp4": ("nvfp4", "mxfp4", "fp8"), "fp4_all": ("nvfp4", "mxfp4", "nvfp4")}
 
 
 def _cfg(cfg, name, default=None):
@@ -334,70 +339,75 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.config.sliding_window + self.max_backtracking
 
     def cache_spec(self, block_size: int, kv_cache_dtype: str = "auto") -> CacheSpec:
-        """Paged (per block of block_size source tokens) and state (per sequence) tensors of every layer."""
-        if kv_cache_dtype not in ("auto", "fp4"):
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported for DeepSeek-V4; use 'auto' or 'fp4'")
+        """Paged (per block of block_size source tokens) and state (per sequence) tensors of every layer,
+        in the formats KV_CACHE_FORMATS gives kv_cache_dtype."""
+        if kv_cache_dtype not in KV_CACHE_FORMATS:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported for DeepSeek-V4; use one of "
+                             f"{', '.join(map(repr, KV_CACHE_FORMATS))}")
         if block_size % self.block_size_multiple:
             raise ValueError(f"block_size {block_size} cannot hold whole compression windows: compress_rates "
                              f"{self.rates} need a multiple of {self.block_size_multiple}")
+        main_fmt, index_fmt, ring_fmt = KV_CACHE_FORMATS[kv_cache_dtype]
         cfg, dt = self.config, self.dtype
         D, Di = cfg.head_dim, cfg.index_head_dim
         spec = CacheSpec()
+        rings = [f"layers.{i}.swa_ring" for i in range(len(cfg.layer_types))]
+        rings += [f"mtp.{i}.swa_ring" for i in range(len(self.mtp))] if self.mtp_enabled else []
+        for name in rings:  # the MTP block is sliding-window only: its whole cache is one ring
+            self._rows_spec(spec.state, name, self.ring_len, D, ring_fmt, kv_cache_dtype)
         for i, kind in enumerate(cfg.layer_types):
-            p = f"layers.{i}."
-            spec.state[p + "swa_ring"] = CacheTensor((self.ring_len, D), dt)
             if kind == SLIDING:
                 continue
-            r = self.rates[kind]
+            p, r = f"layers.{i}.", self.rates[kind]
             main = "csa_kv" if kind == CSA else "hca_kv"
-            self._entry_spec(spec, p + main, block_size // r, D, "nvfp4" if kv_cache_dtype == "fp4" else "auto")
+            self._rows_spec(spec.paged, p + main, block_size // r, D, main_fmt, kv_cache_dtype)
             if kind == HCA:  # online-softmax accumulator after each of the last mb positions (max, sum, weighted sum)
                 spec.state[p + "hca_acc"] = CacheTensor((self.max_backtracking, 3, D), torch.float32)
                 continue
-            self._entry_spec(spec, p + "indexer_k", block_size // r, Di, "mxfp4" if kv_cache_dtype == "fp4" else "auto")
+            self._rows_spec(spec.paged, p + "indexer_k", block_size // r, Di, index_fmt, kv_cache_dtype)
             L = 2 * r + self.max_backtracking  # raw rings: the previous window (Ca), the current one, drafts
             for part, width in (("csa", D), ("idx", Di)):
                 spec.state[f"{p}{part}_kv_ring"] = CacheTensor((L, 2 * width), dt)
                 spec.state[f"{p}{part}_gate_ring"] = CacheTensor((L, 2 * width), dt)
-        if self.mtp_enabled:  # the MTP block is sliding-window only: its whole cache is one ring
-            for i in range(len(self.mtp)):
-                spec.state[f"mtp.{i}.swa_ring"] = CacheTensor((self.ring_len, D), dt)
         self.kv_cache_dtype = kv_cache_dtype
         return spec
 
-    def _entry_spec(self, spec: CacheSpec, name: str, per_block: int, dim: int, fmt: str) -> None:
+    def _rows_spec(self, pool: dict, name: str, rows: int, dim: int, fmt: str, kv_cache_dtype: str) -> None:
+        """Declare `rows` vectors of `dim` values in format fmt (EntryPool's layouts) as pool[name] (+ '_scale')."""
         if fmt == "auto":
-            spec.paged[name] = CacheTensor((per_block, dim), self.dtype)
-            return
-        block = fp4.NVFP4_BLOCK if fmt == "nvfp4" else fp4.MXFP4_BLOCK
-        if dim % block:
-            raise ValueError(f"kv_cache_dtype 'fp4' stores {name} as {fmt} in blocks of {block}, which must divide "
-                             f"its width {dim}")
-        spec.paged[name] = CacheTensor((per_block, dim // 2), torch.uint8)
-        spec.paged[name + "_scale"] = CacheTensor((per_block, dim // block), torch.uint8)
+            pool[name] = CacheTensor((rows, dim), self.dtype)
+        elif fmt == "fp8":
+            pool[name] = CacheTensor((rows, dim), torch.uint8)
+            pool[name + "_scale"] = CacheTensor((rows, 1), torch.float32)
+        else:
+            block = fp4.NVFP4_BLOCK if fmt == "nvfp4" else fp4.MXFP4_BLOCK
+            if dim % block:
+                raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} stores {name} as {fmt} in blocks of {block}, "
+                                 f"which must divide its width {dim}")
+            pool[name] = CacheTensor((rows, dim // 2), torch.uint8)
+            pool[name + "_scale"] = CacheTensor((rows, dim // block), torch.uint8)
 
     def bind_cache(self, paged: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+        main_fmt, index_fmt, ring_fmt = KV_CACHE_FORMATS[self.kv_cache_dtype]
         for i, layer in enumerate(self.mtp):
-            layer.block.self_attn.ring = state.get(f"mtp.{i}.swa_ring")
+            has_ring = f"mtp.{i}.swa_ring" in state
+            layer.block.self_attn.ring = self._entry_pool(state, f"mtp.{i}.swa_ring", ring_fmt) if has_ring else None
         for i, layer in enumerate(self.model.layers):
             p, attn = f"layers.{i}.", layer.self_attn
-            attn.ring = state[p + "swa_ring"]
+            attn.ring = self._entry_pool(state, p + "swa_ring", ring_fmt)
             if attn.compressor is None:
                 continue
             main = "csa_kv" if attn.layer_type == CSA else "hca_kv"
-            pool = self._entry_pool(paged, p + main, "nvfp4")
+            pool = self._entry_pool(paged, p + main, main_fmt)
             if attn.indexer is None:
                 attn.compressor.bind(pool, state[p + "hca_acc"])
                 continue
             attn.compressor.bind(pool, state[p + "csa_kv_ring"], state[p + "csa_gate_ring"])
-            attn.indexer.bind(self._entry_pool(paged, p + "indexer_k", "mxfp4"), state[p + "idx_kv_ring"],
+            attn.indexer.bind(self._entry_pool(paged, p + "indexer_k", index_fmt), state[p + "idx_kv_ring"],
                               state[p + "idx_gate_ring"])
 
-    def _entry_pool(self, paged, name: str, fp4_fmt: str) -> EntryPool:
-        data = paged[name]
-        if data.dtype == torch.uint8:
-            return EntryPool(data, paged[name + "_scale"], fp4_fmt, self.dtype)
-        return EntryPool(data, None, "auto", self.dtype)
+    def _entry_pool(self, tensors: dict, name: str, fmt: str) -> EntryPool:
+        return EntryPool(tensors[name], tensors.get(name + "_scale"), fmt, self.dtype)
 
     # ---- forward ----------------------------------------------------------------------------------------
 
@@ -507,8 +517,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         lines = [f"  {t}: {counts[t]} layers x {b:.2f} B per source token (paged)" for t, b in per_type.items()]
         lines.append(f"  paged: {spec.bytes_per_block / block_size:.2f} B per source token, "
                      f"{spec.bytes_per_block} B per block of {block_size}")
-        lines.append(f"  state: {spec.bytes_per_state_block} B per StateBlock (SWA ring of {self.ring_len} tokens "
-                     f"+ compression accumulators, all layers)")
+        ring = sum(t.nbytes for name, t in spec.state.items() if ".swa_ring" in name)
+        lines.append(f"  state: {spec.bytes_per_state_block} B per StateBlock = SWA rings of {self.ring_len} tokens "
+                     f"{ring} B + compression accumulators {spec.bytes_per_state_block - ring} B (raw window rows in "
+                     f"{str(self.dtype).removeprefix('torch.')}, HCA online softmax in float32), all layers")
+        main_fmt, index_fmt, ring_fmt = KV_CACHE_FORMATS[self.kv_cache_dtype]
+        lines.insert(0, f"  kv_cache_dtype {self.kv_cache_dtype!r}: compressed main KV {main_fmt}, indexer keys "
+                        f"{index_fmt}, SWA ring {ring_fmt} ('auto' = model dtype; fp8 = E4M3 + fp32 scale per row)")
         return lines
 
 
