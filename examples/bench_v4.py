@@ -95,8 +95,12 @@ def ours_run(llm: LLM, batch: list[list[int]], max_tokens: int, reads: WeightRea
 
 
 def ours_cache_bytes(llm: LLM, context: int) -> int:
-    spec, block = llm.engine.cache.spec, llm.engine.config.block_size
-    return math.ceil(context / block) * spec.bytes_per_block + spec.bytes_per_state_block
+    return spec_cache_bytes(llm.engine.cache.spec, llm.engine.config.block_size, context)
+
+
+def spec_cache_bytes(spec, block_size: int, context: int) -> int:
+    """One sequence's blocks for `context` tokens plus its StateBlock."""
+    return math.ceil(context / block_size) * spec.bytes_per_block + spec.bytes_per_state_block
 
 
 # ---- transformers -----------------------------------------------------------------------------------
