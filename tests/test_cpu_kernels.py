@@ -347,3 +347,79 @@ def test_apply_token_mask_equals_the_reference(B, V):
     assert torch.equal(got, apply_token_mask_ref(logits.clone(), mask))
     with pytest.raises(ValueError, match="bitmask must be"):
         cpu_ops.apply_token_mask(logits.clone(), mask[:, :0])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kv_load_is_the_reference_bit_for_bit(fmt, dtype, threads, monkeypatch):
+    """Every nibble and scale byte (E4M3 subnormals, MXFP4's 2^-127 .. 2^127), padded indices and padded
+    block-table entries: the C++ kv_load returns the torch reference's entries and valid mask exactly."""
+    from tilelang_ops.kv_load import kv_load_ref
+
+    monkeypatch.setattr(platform, "kernel_threads", lambda: threads)
+    g = torch.Generator().manual_seed(3)
+    blocks, per_block, D = 6, 8, 64
+    packed = torch.randint(0, 256, (blocks, per_block, D // 2), dtype=torch.uint8, generator=g)
+    group = 16 if fmt == "nvfp4" else 32
+    scales = torch.randint(0, 255, (blocks, per_block, D // group), dtype=torch.uint8, generator=g)
+    if fmt == "nvfp4":
+        scales[scales & 0x7F == 0x7F] = 0x3F  # not E4M3's NaN pattern
+    table = torch.tensor([[4, 0, 5, -1], [2, 3, 1, -1]])
+    indices = torch.randint(-1, 3 * per_block, (2, 300), generator=g)
+    got = cpu_ops.kv_load(packed, scales, table, indices, fmt, 0.75, dtype)
+    want = kv_load_ref(packed, scales, table, indices, fmt, 0.75, dtype)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def kv_values(dtype: torch.dtype) -> torch.Tensor:
+    """Rows over 12 decades with the formats' hard cases: zero rows, E2M1 midpoints, -0.0, an E4M3-subnormal
+    NVFP4 scale, and one value per row at the row's maximum."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 64, generator=g) * torch.logspace(-6, 6, 40)[:, None]
+    x[0] = 0.0
+    x[1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, 0, -0.0, 1, 6])
+    x[2] = -0.0
+    x[3] *= 1e-4  # NVFP4 block scales amax / 6 below E4M3's normal range
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_store_and_load_rows_are_the_references_bit_for_bit(fmt, dtype):
+    """store_rows / load_rows (csrc/cpu/kv_quant) write the bytes and return the values of the torch references
+    (formats/fp8.py; tilelang_ops.kv_store / kv_load's references for FP4), into scattered pool rows."""
+    from deepinfer.formats import fp4, fp8
+    from tilelang_ops.kv_store import kv_store_ref
+
+    x = kv_values(dtype)
+    rows = torch.randperm(60, generator=torch.Generator().manual_seed(1))[:40]
+    width, scale_shape = (64, (60, 1)) if fmt == "fp8" else (32, (60, 64 // (16 if fmt == "nvfp4" else 32)))
+    scale_dtype = torch.float32 if fmt == "fp8" else torch.uint8
+    data, scales = torch.zeros(60, width, dtype=torch.uint8), torch.zeros(scale_shape, dtype=scale_dtype)
+    cpu_ops.store_rows(x, rows, data, scales, fmt, 1.0)
+    if fmt == "fp8":
+        want_q, want_s = fp8.quantize_fp8(x)
+        assert torch.equal(data[rows], want_q) and torch.equal(scales[rows], want_s)
+        want = fp8.dequantize_fp8(want_q, want_s, dtype)
+    else:
+        ref_data, ref_scales = torch.zeros_like(data)[:, None], torch.zeros_like(scales)[:, None]
+        kv_store_ref(x, rows, ref_data, ref_scales, fmt)
+        assert torch.equal(data, ref_data[:, 0]) and torch.equal(scales, ref_scales[:, 0])
+        dequantize = fp4.dequantize_nvfp4 if fmt == "nvfp4" else fp4.dequantize_mxfp4
+        want = dequantize(data[rows], scales[rows], dtype=dtype)
+    got = cpu_ops.load_rows(data, scales, torch.cat([rows, torch.tensor([-1])]), fmt, dtype)
+    assert torch.equal(got[:-1], want) and not got[-1].any()
+
+
+def test_kv_rows_refuse_non_finite_values_and_bad_pools():
+    data, scales = torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1)
+    x = torch.ones(2, 16)
+    x[1, 3] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        cpu_ops.store_rows(x, torch.tensor([0, 1]), data, scales, "fp8")
+    assert not data.any() and not scales.any()  # nothing written
+    with pytest.raises(ValueError, match=r"fp8 pool: .* must be contiguous CPU uint8"):
+        cpu_ops.load_rows(data, torch.zeros(4, 2), torch.tensor([0]), "fp8", torch.float32)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        cpu_ops.load_rows(data, scales, torch.tensor([0]), "int4", torch.float32)

@@ -17,6 +17,8 @@ OPS = {
 
 # name -> "module:function" of a C++ CPU kernel with the reference's arguments and result.
 CPU_KERNELS = {
+    "kv_load": "deepinfer.layers.cpu_ops:kv_load",
+    "kv_store": "deepinfer.layers.cpu_ops:kv_store",
     "v4_decode_attention": "deepinfer.layers.cpu_ops:v4_decode_attention",
     "apply_token_mask": "deepinfer.layers.cpu_ops:apply_token_mask",
     "sample": "deepinfer.layers.cpu_ops:sample",

@@ -14,6 +14,7 @@
 #include "cpu/decode_attention.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/hyper_connection.h"
+#include "cpu/kv_quant.h"
 #include "cpu/moe_block.h"
 #include "cpu/moe.h"
 #include "cpu/norm_rope.h"
@@ -247,6 +248,26 @@ void bind_cpu_kernels(py::module_& m) {
       },
       py::call_guard<py::gil_scoped_release>(),
       "logits [B,V] fp32 = -inf where the token's bit in bitmask [B,ceil(V/32)] int32 is clear, in place");
+  m.def(
+      "kv_load_rows",
+      [](uintptr_t data, uintptr_t scales, uintptr_t rows, int64_t n, int64_t D, int fmt, float tensor_scale,
+         uintptr_t out, bool out_bf16, int threads) {
+        kv_load_rows(reinterpret_cast<const uint8_t*>(data), reinterpret_cast<const void*>(scales),
+                     reinterpret_cast<const int64_t*>(rows), n, D, static_cast<KvFormat>(fmt), tensor_scale,
+                     reinterpret_cast<void*>(out), out_bf16, threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "out [n, D] = pool rows `rows` [n] (< 0: zeros) dequantised (fmt 0 FP8, 1 NVFP4, 2 MXFP4)");
+  m.def(
+      "kv_store_rows",
+      [](uintptr_t x, bool x_bf16, uintptr_t rows, int64_t n, int64_t D, int fmt, float tensor_scale, uintptr_t data,
+         uintptr_t scales, int threads) {
+        return kv_store_rows(reinterpret_cast<const void*>(x), x_bf16, reinterpret_cast<const int64_t*>(rows), n, D,
+                             static_cast<KvFormat>(fmt), tensor_scale, reinterpret_cast<uint8_t*>(data),
+                             reinterpret_cast<void*>(scales), threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "pool rows `rows` [n] = x [n, D] quantised; false (nothing written) when x is not all finite");
   m.def(
       "rms_norm",
       [](uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t rows, int64_t n, float eps, bool bf16,

@@ -288,6 +288,79 @@ def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tenso
     return logits
 
 
+KV_FORMATS = {"fp8": 0, "nvfp4": 1, "mxfp4": 2}  # csrc/cpu/kv_quant.h's KvFormat
+
+
+def load_rows(data: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, fmt: str, dtype: torch.dtype,
+              tensor_scale: float = 1.0) -> torch.Tensor:
+    """Pool rows [...] (flat indices into data's leading dims; < 0: zeros) of a quantised pool -> [..., D] in
+    dtype, the torch references' values bit for bit. data [..., D] uint8 E4M3 with scales [..., 1] fp32 ('fp8'),
+    or [..., D/2] packed with scales [..., D/16 | D/32] uint8 ('nvfp4' | 'mxfp4'); see csrc/cpu/kv_quant.h."""
+    D = _kv_width(data, scales, fmt)
+    if dtype not in STREAM_DTYPES:
+        raise ValueError(f"load_rows: output dtype {dtype} must be one of {STREAM_DTYPES}")
+    flat = rows.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(*rows.shape, D, dtype=dtype)
+    _C.kv_load_rows(data.data_ptr(), scales.data_ptr(), flat.data_ptr(), flat.numel(), D, KV_FORMATS[fmt],
+                    float(tensor_scale), out.data_ptr(), dtype == torch.bfloat16, platform.kernel_threads())
+    return out
+
+
+def store_rows(values: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt: str,
+               tensor_scale: float = 1.0) -> None:
+    """Pool rows [N] = values [N, D] quantised (load_rows' layouts), as the torch references round. Non-finite
+    values raise ValueError and write nothing."""
+    D = _kv_width(data, scales, fmt)
+    if values.dim() != 2 or values.shape[1] != D or rows.shape != (values.shape[0],) or not fast_path(values):
+        raise ValueError(f"store_rows: values {values.dtype} {tuple(values.shape)} on {values.device} must be [N, {D}] "
+                         f"of {STREAM_DTYPES} for rows {tuple(rows.shape)}")
+    x, flat = values.contiguous(), rows.to(torch.int64).contiguous()
+    if not _C.kv_store_rows(x.data_ptr(), x.dtype == torch.bfloat16, flat.data_ptr(), flat.numel(), D,
+                            KV_FORMATS[fmt], float(tensor_scale), data.data_ptr(), scales.data_ptr(),
+                            platform.kernel_threads()):
+        raise ValueError(f"{fmt}: input contains non-finite values (NaN or Inf); the format cannot encode them")
+
+
+def _kv_width(data: torch.Tensor, scales: torch.Tensor, fmt: str) -> int:
+    """Checks a quantised pool's pair of arrays -> values per row D."""
+    if fmt not in KV_FORMATS:
+        raise ValueError(f"KV rows: fmt must be one of {sorted(KV_FORMATS)}, got {fmt!r}")
+    D = data.shape[-1] * (1 if fmt == "fp8" else 2)
+    per_scale = {"fp8": D, "nvfp4": 16, "mxfp4": 32}[fmt]
+    scale_dtype = torch.float32 if fmt == "fp8" else torch.uint8
+    if (data.dtype != torch.uint8 or scales.dtype != scale_dtype or data.device.type != "cpu"
+            or not (data.is_contiguous() and scales.is_contiguous()) or data.shape[:-1] != scales.shape[:-1]
+            or scales.shape[-1] * per_scale != D):
+        raise ValueError(f"{fmt} pool: data {data.dtype} {tuple(data.shape)} and scales {scales.dtype} "
+                         f"{tuple(scales.shape)} must be contiguous CPU uint8 [..., {'D' if fmt == 'fp8' else 'D/2'}] "
+                         f"and {scale_dtype} [..., D/{per_scale}] alike")
+    return D
+
+
+def kv_load(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dtype=torch.float32):
+    """tilelang_ops.kv_load.kv_load_ref's arguments and result, bit for bit: the selected FP4 entries
+    [B, k, D] in dtype (padding zeros) and valid [B, k]."""
+    from tilelang_ops.kv_load import _validate
+
+    _validate(packed, scales, block_table, indices, fmt)
+    per_block = packed.shape[1]
+    valid = indices >= 0
+    pos = indices.long().clamp(min=0)
+    rows = block_table.long().gather(1, pos // per_block).clamp(min=0) * per_block + pos % per_block
+    return load_rows(packed, scales, torch.where(valid, rows, -1), fmt, dtype, tensor_scale), valid
+
+
+def kv_store(x, slot_mapping, packed, scales, fmt: str, tensor_scale=1.0):
+    """tilelang_ops.kv_store.kv_store_ref's arguments and effect, bit for bit: x [N, D] quantised into the pool
+    rows slot_mapping [N] (< 0: skipped)."""
+    from tilelang_ops.kv_store import _validate
+
+    _validate(x, slot_mapping, packed, scales, fmt)
+    keep = slot_mapping >= 0
+    x = x if x.dtype in STREAM_DTYPES else x.float()  # fp16 widens exactly
+    store_rows(x[keep], slot_mapping[keep], packed, scales, fmt, tensor_scale)
+
+
 def fast_path(*tensors: torch.Tensor | None) -> bool:
     """Whether the C++ kernels take these tensors (None: an absent optional one): on the CPU, all of one
     dtype they read."""

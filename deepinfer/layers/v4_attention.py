@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.formats import fp4, fp8
+from deepinfer.layers import cpu_ops
 from deepinfer.layers.hyper_connection import unweighted_rms_norm
 
 from deepinfer.layers.linear import linear  # bf16 weights -> C++ AVX2 GEMM (torch's bf16 matmul is ~8 GFLOP/s here)
@@ -49,28 +50,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE on the trailing 2*cos.shape[-1] channels of x [..., D]; cos/sin [..., rd/2]
-    broadcast against x[..., :rd/2]. fp32 math, result in x's dtype (as the reference)."""
-    cos = cos.repeat_interleave(2, dim=-1)
-    sin = sin.repeat_interleave(2, dim=-1)
+    """Interleaved RoPE on the trailing rd channels of x [..., D]; cos/sin [..., rd] as Rope returns them (each
+    frequency twice, fp32) broadcast against x[..., :rd]. fp32 math, result in x's dtype (as the reference)."""
     rd = cos.shape[-1]
-    nope, rope = x[..., :-rd], x[..., -rd:]
+    nope, rope = x[..., :-rd], x[..., -rd:].float()
     rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    rope = (rope.float() * cos + rotated.float() * sin).to(x.dtype)
-    return torch.cat([nope, rope], dim=-1)
+    return torch.cat([nope, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
 
 
 class Rope:
     """One rope type (V4 has `main` for sliding layers and `compress` for CSA/HCA layers and compressors)."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float):
-        self.inv_freq = inv_freq.float()
+        self.inv_freq = inv_freq.float().repeat_interleave(2)  # interleaved pairs share a frequency
         self.scaling = attention_scaling
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] -> cos, sin [N, rd/2] in dtype (the reference casts them to the activation dtype)."""
+        """positions [N] -> cos, sin [N, rd]: rounded to dtype as the reference casts them to the activation
+        dtype, then held in fp32, the dtype apply_rope's math runs in, so no call converts them again."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+        return (freqs.cos() * self.scaling).to(dtype).float(), (freqs.sin() * self.scaling).to(dtype).float()
 
 
 def write_ring(ring: torch.Tensor, slot: int, p0: int, values: torch.Tensor) -> None:
@@ -133,9 +132,10 @@ class EntryPool:
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None, fmt: str, dtype: torch.dtype):
         self.data, self.scale, self.fmt, self.dtype = data, scale, fmt, dtype
         self.per_block = data.shape[1]
-        # FP4 store / load go through tilelang_ops' dispatch (kernel on CUDA, torch reference elsewhere).
-        # read() gets flat pool rows (callers resolve block tables with rows()), so to kv_load the pool is
-        # one sequence owning every block in order: its entry positions are the pool rows.
+        # On the CPU quantised rows go straight to csrc/cpu/kv_quant (one call per read or write, rows as
+        # given). Elsewhere FP4 goes through tilelang_ops' dispatch (the TileLang kernels on CUDA); read() gets
+        # flat pool rows (callers resolve block tables with rows()), so to kv_load the pool is one sequence
+        # owning every block in order: its entry positions are the pool rows.
         self.kv_store, self.kv_load = get_op("kv_store"), get_op("kv_load")
         self.all_blocks = torch.arange(data.shape[0], device=data.device).view(1, -1)
 
@@ -149,6 +149,8 @@ class EntryPool:
         """rows [N], values [N, D]."""
         if self.fmt == "auto":
             self.data.view(-1, self.data.shape[-1])[rows] = values.to(self.data.dtype)
+        elif self.data.device.type == "cpu":
+            cpu_ops.store_rows(values, rows, self.data, self.scale, self.fmt)
         elif self.fmt == "fp8":
             q, scale = fp8.quantize_fp8(values)
             self.data.view(-1, self.data.shape[-1])[rows] = q
@@ -161,6 +163,8 @@ class EntryPool:
         flat = rows.reshape(-1)
         if self.fmt == "auto":
             entries = self.data.view(-1, self.data.shape[-1]).index_select(0, flat)
+        elif self.data.device.type == "cpu":
+            return cpu_ops.load_rows(self.data, self.scale, rows, self.fmt, self.dtype)
         elif self.fmt == "fp8":
             q = self.data.view(-1, self.data.shape[-1]).index_select(0, flat)
             entries = fp8.dequantize_fp8(q, self.scale.view(-1, 1).index_select(0, flat), self.dtype)
@@ -414,7 +418,7 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(cfg.hidden_size, cfg.index_n_heads, dtype)
 
     def scores(self, q_res, head_w, cos, sin, keys) -> torch.Tensor:
-        """q_res [N, q_lora], head_w [N, Hi] (weights_proj of the block input), cos/sin [N, rd/2], keys
+        """q_res [N, q_lora], head_w [N, Hi] (weights_proj of the block input), cos/sin [N, rd], keys
         [N, E, Di] (decode: per sequence) or [E, Di] (prefill: one sequence's keys for all its queries)
         -> fp32 scores [N, E]."""
         N = q_res.shape[0]
@@ -524,7 +528,7 @@ class V4Attention(nn.Module):
         return out[0], out[1], (out[2:4], out[4:7] if self.indexer is not None else None)
 
     def forward(self, x, positions, cos, sin, meta, replay_start: int | None = None) -> torch.Tensor:
-        """x [T, H] (normed block input), cos/sin [T, rd/2] of this layer's rope type -> [T, H]."""
+        """x [T, H] (normed block input), cos/sin [T, rd] of this layer's rope type -> [T, H]."""
         T = x.shape[0]
         q_a, kv, comp = self.project_input(x)
         q_res = self.q_a_norm(q_a)

@@ -425,7 +425,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.model.norm(self.model.hc_head(streams))
 
     def rope_tables(self, positions: torch.Tensor) -> dict:
-        """{'main' | 'compress': (cos, sin) [T, rd/2]} for positions [T]."""
+        """{'main' | 'compress': (cos, sin) [T, rd] (Rope's fp32 tables) for positions [T]."""
         return {kind: rope(positions, self.dtype) for kind, rope in self.ropes.items()}
 
     @torch.no_grad()
