@@ -423,3 +423,25 @@ def test_kv_rows_refuse_non_finite_values_and_bad_pools():
         cpu_ops.load_rows(data, torch.zeros(4, 2), torch.tensor([0]), "fp8", torch.float32)
     with pytest.raises(ValueError, match="fmt must be one of"):
         cpu_ops.load_rows(data, scales, torch.tensor([0]), "int4", torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 64), (7, 3, 64), (1, 16, 128)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_v4_rope_is_the_pairwise_rotation_bit_for_bit(dtype, shape, inverse):
+    """apply_rope (C++ on the CPU) against the rotation written out per pair in fp32: (a, b) -> (a c - b s,
+    b c + a s) on the trailing rd channels, one rounding to the dtype, the rest of the row untouched."""
+    from deepinfer.layers.v4_attention import Rope, apply_rope
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(shape, generator=g) * 4).to(dtype)
+    T, rd = shape[0], 32
+    cos, sin = Rope(1.0 / 10000 ** (torch.arange(0, rd, 2).float() / rd), 1.3)(torch.arange(100, 100 + T), dtype)
+    s = -sin if inverse else sin
+    view = (T,) + (1,) * (len(shape) - 2) + (rd // 2,)
+    a, b = x[..., -rd::2].float(), x[..., -rd + 1::2].float()
+    c, s = cos[:, ::2].reshape(view), s[:, ::2].reshape(view)
+    want = x.clone()
+    want[..., -rd::2] = (a * c + (-b) * s).to(dtype)
+    want[..., -rd + 1::2] = (b * c + a * s).to(dtype)
+    assert torch.equal(apply_rope(x, cos, sin, inverse), want)

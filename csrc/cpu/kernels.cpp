@@ -269,6 +269,15 @@ void bind_cpu_kernels(py::module_& m) {
       py::call_guard<py::gil_scoped_release>(),
       "pool rows `rows` [n] = x [n, D] quantised; false (nothing written) when x is not all finite");
   m.def(
+      "rope_interleaved",
+      [](uintptr_t x, int64_t T, int64_t R, int64_t D, int64_t rd, uintptr_t cos, uintptr_t sin, bool inverse,
+         uintptr_t out, bool bf16, int threads) {
+        rope_interleaved(reinterpret_cast<const void*>(x), T, R, D, rd, reinterpret_cast<const float*>(cos),
+                         reinterpret_cast<const float*>(sin), inverse, reinterpret_cast<void*>(out), bf16, threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "out [T, R, D] = x with DeepSeek-V4's interleaved rope on the trailing rd channels (cos, sin [T, rd] fp32)");
+  m.def(
       "rms_norm",
       [](uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t rows, int64_t n, float eps, bool bf16,
          int threads) {

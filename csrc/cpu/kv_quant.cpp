@@ -54,7 +54,7 @@ uint8_t to_e2m1(float v) {
 
 int64_t group_of(KvFormat fmt, int64_t D) { return fmt == KvFormat::FP8 ? D : fmt == KvFormat::NVFP4 ? 16 : 32; }
 
-void load_row(const uint8_t* data, const void* scales, int64_t r, int64_t D, KvFormat fmt, float ts, float* row) {
+void dequantize_row(const uint8_t* data, const void* scales, int64_t r, int64_t D, KvFormat fmt, float ts, float* row) {
   if (fmt == KvFormat::FP8) {
     const uint8_t* q = data + r * D;
     const float s = static_cast<const float*>(scales)[r];
@@ -79,7 +79,7 @@ float amax_of(const float* x, int64_t n) {
   return m;
 }
 
-void store_row(const float* x, int64_t r, int64_t D, KvFormat fmt, float ts, uint8_t* data, void* scales) {
+void quantize_row(const float* x, int64_t r, int64_t D, KvFormat fmt, float ts, uint8_t* data, void* scales) {
   if (fmt == KvFormat::FP8) {
     const float s = amax_of(x, D) / kE4M3Max;
     static_cast<float*>(scales)[r] = s;
@@ -111,15 +111,6 @@ void store_row(const float* x, int64_t r, int64_t D, KvFormat fmt, float ts, uin
   }
 }
 
-void widen_row(const void* x, bool bf16, int64_t i, int64_t D, float* row) {
-  if (!bf16) {
-    std::memcpy(row, static_cast<const float*>(x) + i * D, sizeof(float) * D);
-    return;
-  }
-  const uint16_t* src = static_cast<const uint16_t*>(x) + i * D;
-  for (int64_t j = 0; j < D; ++j) row[j] = from_bf16(src[j]);
-}
-
 }  // namespace
 
 void kv_load_rows(const uint8_t* data, const void* scales, const int64_t* rows, int64_t n, int64_t D, KvFormat fmt,
@@ -130,14 +121,9 @@ void kv_load_rows(const uint8_t* data, const void* scales, const int64_t* rows, 
       if (rows[i] < 0) {
         std::fill(buf.begin(), buf.end(), 0.0f);
       } else {
-        load_row(data, scales, rows[i], D, fmt, tensor_scale, buf.data());
+        dequantize_row(data, scales, rows[i], D, fmt, tensor_scale, buf.data());
       }
-      if (out_bf16) {
-        uint16_t* dst = static_cast<uint16_t*>(out) + i * D;
-        for (int64_t j = 0; j < D; ++j) dst[j] = to_bf16(buf[j]);
-      } else {
-        std::memcpy(static_cast<float*>(out) + i * D, buf.data(), sizeof(float) * D);
-      }
+      store_row(out, i * D, D, out_bf16, buf.data());
     }
   });
 }
@@ -146,7 +132,7 @@ bool kv_store_rows(const void* x, bool x_bf16, const int64_t* rows, int64_t n, i
                    float tensor_scale, uint8_t* data, void* scales, int num_threads) {
   std::vector<float> buf(D);
   for (int64_t i = 0; i < n; ++i) {  // refuse before writing anything
-    widen_row(x, x_bf16, i, D, buf.data());
+    load_row(x, i * D, D, x_bf16, buf.data());
     for (float v : buf) {
       if (!std::isfinite(v)) return false;
     }
@@ -154,8 +140,8 @@ bool kv_store_rows(const void* x, bool x_bf16, const int64_t* rows, int64_t n, i
   parallel_ranges(n, threads_for(n * D, num_threads), [&](int64_t lo, int64_t hi) {
     std::vector<float> row(D);
     for (int64_t i = lo; i < hi; ++i) {
-      widen_row(x, x_bf16, i, D, row.data());
-      store_row(row.data(), rows[i], D, fmt, tensor_scale, data, scales);
+      load_row(x, i * D, D, x_bf16, row.data());
+      quantize_row(row.data(), rows[i], D, fmt, tensor_scale, data, scales);
     }
   });
   return true;

@@ -132,4 +132,24 @@ bool qk_norm_rope_store(const void* qkv, int64_t qkv_stride, int64_t T, int64_t 
   return true;
 }
 
+void rope_interleaved(const void* x, int64_t T, int64_t R, int64_t D, int64_t rd, const float* cos, const float* sin,
+                      bool inverse, void* out, bool bf16, int num_threads) {
+  const int64_t elt = bf16 ? 2 : 4, nope = D - rd;
+  parallel_ranges(T * R, threads_for(T * R * D, num_threads), [&](int64_t lo, int64_t hi) {
+    std::vector<float> v(rd), o(rd);
+    for (int64_t row = lo; row < hi; ++row) {
+      std::memcpy(static_cast<char*>(out) + row * D * elt, static_cast<const char*>(x) + row * D * elt, nope * elt);
+      load_row(x, row * D + nope, rd, bf16, v.data());
+      const float* c = cos + (row / R) * rd;
+      const float* s = sin + (row / R) * rd;
+      for (int64_t i = 0; i < rd; i += 2) {
+        const float s0 = inverse ? -s[i] : s[i], s1 = inverse ? -s[i + 1] : s[i + 1];
+        o[i] = v[i] * c[i] + (-v[i + 1]) * s0;
+        o[i + 1] = v[i + 1] * c[i + 1] + v[i] * s1;
+      }
+      store_row(out, row * D + nope, rd, bf16, o.data());
+    }
+  });
+}
+
 }  // namespace deepinfer

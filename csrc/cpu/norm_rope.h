@@ -24,4 +24,11 @@ bool qk_norm_rope_store(const void* qkv, int64_t qkv_stride, int64_t T, int64_t 
                         int64_t num_positions, const int64_t* positions, void* k_cache, void* v_cache,
                         int64_t num_slots, const int64_t* slots, void* q_out, bool bf16, int num_threads);
 
+// DeepSeek-V4's interleaved RoPE (deepinfer.layers.v4_attention.apply_rope, bit for bit): x [T, R, D] rows
+// (fp32 or bf16), the rope on each row's trailing rd channels as pairs (2i, 2i+1) = (a, b) -> (a c - b s,
+// b c + a s) in fp32 with c, s = cos / sin [T, rd] (each pair's two entries equal; sin negated when inverse),
+// rounded once to the row's dtype; the first D - rd channels copied. out may not alias x.
+void rope_interleaved(const void* x, int64_t T, int64_t R, int64_t D, int64_t rd, const float* cos, const float* sin,
+                      bool inverse, void* out, bool bf16, int num_threads);
+
 }  // namespace deepinfer

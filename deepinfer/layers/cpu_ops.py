@@ -361,6 +361,21 @@ def kv_store(x, slot_mapping, packed, scales, fmt: str, tensor_scale=1.0):
     store_rows(x[keep], slot_mapping[keep], packed, scales, fmt, tensor_scale)
 
 
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x [T, ..., D] (fp32 or bf16) with DeepSeek-V4's interleaved rope on its trailing rd channels, cos / sin
+    [T, rd] fp32 (v4_attention.apply_rope's contract, bit for bit; csrc/cpu/norm_rope.h)."""
+    T, D, rd = x.shape[0], x.shape[-1], cos.shape[-1]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or t.shape != (T, rd) or not t.is_contiguous() or rd % 2 or rd > D:
+            raise ValueError(f"rope_interleaved: {name} must be contiguous fp32 [{T}, rd] with an even rd <= {D}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _C.rope_interleaved(x.data_ptr(), T, x.numel() // max(1, T * D), D, rd, cos.data_ptr(), sin.data_ptr(), inverse,
+                        out.data_ptr(), x.dtype == torch.bfloat16, platform.kernel_threads())
+    return out
+
+
 def fast_path(*tensors: torch.Tensor | None) -> bool:
     """Whether the C++ kernels take these tensors (None: an absent optional one): on the CPU, all of one
     dtype they read."""

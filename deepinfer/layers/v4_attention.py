@@ -49,10 +49,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE on the trailing rd channels of x [..., D]; cos/sin [..., rd] as Rope returns them (each
-    frequency twice, fp32) broadcast against x[..., :rd]. fp32 math, result in x's dtype (as the reference)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved RoPE on the trailing rd channels of x [T, ..., D]; cos/sin [T, rd] as Rope returns them
+    (each frequency twice, fp32); inverse rotates back (sin negated). fp32 math, result in x's dtype (as the
+    reference); on the CPU one C++ call with the same bits (csrc/cpu/norm_rope.h)."""
+    if cpu_ops.fast_path(x):
+        return cpu_ops.rope_interleaved(x, cos, sin, inverse)
     rd = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd,)
+    cos, sin = cos.view(shape), (-sin if inverse else sin).view(shape)
     nope, rope = x[..., :-rd], x[..., -rd:].float()
     rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     return torch.cat([nope, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
@@ -423,7 +428,7 @@ class Indexer(Compressor):
         -> fp32 scores [N, E]."""
         N = q_res.shape[0]
         q = self.q_b_proj(q_res).view(N, self.n_heads, self.dim)
-        q = apply_rope(q, cos[:, None], sin[:, None]).float()
+        q = apply_rope(q, cos, sin).float()
         if keys.dim() == 2:
             s = torch.matmul(q.view(N * self.n_heads, self.dim), keys.float().t()).view(N, self.n_heads, -1)
         else:
@@ -533,7 +538,7 @@ class V4Attention(nn.Module):
         q_a, kv, comp = self.project_input(x)
         q_res = self.q_a_norm(q_a)
         q = unweighted_rms_norm(self.q_b_proj(q_res).view(T, self.n_heads, self.head_dim), self.eps)
-        q = apply_rope(q, cos[:, None], sin[:, None])
+        q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(kv), cos, sin)
         if meta.is_prefill:
             out = torch.cat([self._prefill_seq(i, q, kv, q_res, cos, sin, comp, meta, replay_start)
@@ -543,7 +548,7 @@ class V4Attention(nn.Module):
                 raise ValueError(f"a verify step of {meta.max_query_len} tokens could not be rolled back: the "
                                  "model's max_backtracking must be at least that before cache_spec()")
             out = self._decode(q, kv, q_res, cos, sin, comp, meta)
-        out = apply_rope(out, cos[:, None], -sin[:, None])  # K=V carried rope into V: rotate it back
+        out = apply_rope(out, cos, sin, inverse=True)  # K=V carried rope into V: rotate it back
         return self._output(out)
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
