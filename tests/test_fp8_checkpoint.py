@@ -1,7 +1,8 @@
 """Block-scaled FP8 checkpoints, as DeepSeek releases them: `X.weight` in float8_e4m3fn plus `X.weight_scale_inv`
 (or `X.scale`), one fp32 multiplier per block of `quantization_config.weight_block_size`. A tiny DeepSeek-V4
 written that way with the reference block-scaling rule loads to exactly the weights of the same checkpoint
-dequantised by hand, and generates transformers' tokens for them; bad scales are refused by name."""
+dequantised by hand, and generates transformers' tokens for them; bad scales are refused by name. The same
+for DeepSeek-V4-Flash's FP4 routed experts (expert_dtype 'fp4')."""
 import json
 import shutil
 
@@ -134,3 +135,90 @@ def test_bad_fp8_checkpoints_are_refused_by_name(ckpts, tmp_path):
     shutil.copytree(fp8, odd)
     with pytest.raises(ValueError, match=r"weight_block_size \[0, 24\]"):
         load_model(str(with_quant_config(odd, weight_block_size=[0, 24])), torch.float32)
+
+
+# ---- DeepSeek-V4-Flash's layout: routed experts in FP4 (int8 holding two E2M1 values, the first in the low
+# nibble; one E8M0 scale per 32 values of a row), everything else quantised as above in FP8 ----------------
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def fp4_expert(name: str, t: torch.Tensor) -> bool:
+    return ".ffn.experts." in name and name.endswith(".weight")
+
+
+def quantize_fp4(w: torch.Tensor):
+    """MX rule per 32 values: scale 2^(floor(log2 amax) - 2), values to the E2M1 grid -> (int8 [R, C/2], E8M0)."""
+    from deepinfer.formats.fp4 import quantize_mxfp4
+
+    packed, exponents = quantize_mxfp4(w.float())
+    return packed.view(torch.int8), exponents.view(torch.float8_e8m0fnu)
+
+
+def dequantize_fp4_by_hand(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    u8 = packed.view(torch.uint8).long()
+    values = torch.stack([E2M1[u8 & 15], E2M1[u8 >> 4]], dim=-1).flatten(-2)
+    return values * scale.float().repeat_interleave(32, dim=-1)
+
+
+def flash_tensors(tensors: dict) -> dict:
+    out = {}
+    for name, t in tensors.items():
+        if fp4_expert(name, t):
+            out[name], out[name + "_scale_inv"] = quantize_fp4(t)
+        elif quantized(name, t):
+            out[name], out[name + "_scale_inv"] = quantize_blocks(t)
+        else:
+            out[name] = t
+    return out
+
+
+def flash_dequantized(tensors: dict) -> dict:
+    return {n: dequantize_fp4_by_hand(*quantize_fp4(t)) if fp4_expert(n, t)
+            else dequantize_by_hand(*quantize_blocks(t)) if quantized(n, t) else t for n, t in tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory, ckpts):
+    from transformers import DeepseekV4ForCausalLM as HF
+
+    root = tmp_path_factory.mktemp("flash")
+    bf = ckpts[0].parent / "bf"
+    fp4 = with_quant_config(_rewrite_checkpoint(bf, root / "fp4", flash_tensors), expert_dtype="fp4")
+    deq = _rewrite_checkpoint(bf, root / "deq", flash_dequantized)
+    return fp4, deq, HF.from_pretrained(str(deq), dtype=torch.float32).eval()
+
+
+def test_fp4_experts_load_dequantised_and_generate_transformers_tokens(flash):
+    from safetensors.torch import load_file
+
+    from deepinfer.models.loader import load_model
+
+    fp4, deq, hf = flash
+    stored = load_file(str(fp4 / "model.safetensors"))
+    assert sum(t.dtype == torch.int8 for t in stored.values()) == 4 * 6 * 3  # every layer's routed experts
+    ours = dict(load_model(str(fp4), torch.float32)[0].named_parameters())
+    ref = load_model(str(deq), torch.float32)[0]
+    assert all(torch.equal(ours[n], p) for n, p in ref.named_parameters())
+    prompts = [prompt_of(9, 1), prompt_of(30, 2)]
+    llm = LLM(str(fp4), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_bad_fp4_experts_are_refused_by_name(flash, tmp_path):
+    from deepinfer.models.loader import load_model
+
+    fp4, _, _ = flash
+    name = "model.layers.1.ffn.experts.0.w1.weight"
+    undeclared = tmp_path / "undeclared"
+    shutil.copytree(fp4, undeclared)
+    with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight.*int8 with scales.*expert_dtype 'fp4'"):
+        load_model(str(with_quant_config(undeclared)), torch.float32)
+
+    def bad_shape(t):
+        t[name + "_scale_inv"] = t[name + "_scale_inv"][:, :1].contiguous()
+        return t
+
+    with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight.*FP4 weight .* one per 32"):
+        load_model(str(_rewrite_checkpoint(fp4, tmp_path / "shape", bad_shape)), torch.float32)

@@ -9,6 +9,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from deepinfer.formats import fp4
 from deepinfer.models import get_model_class
 
 
@@ -24,7 +25,7 @@ def load_model(path: str, dtype: torch.dtype):
         raise ValueError(f"{path}: config has no 'architectures' entry")
     model = get_model_class(archs[0])(hf_config, dtype)
     weights = gguf_weights(gguf_file, hf_config, reader) if gguf_file else \
-        safetensors_weights(path, fp8_block_size(hf_config, path))
+        safetensors_weights(path, fp8_block_size(hf_config, path), fp4_experts(hf_config))
     with torch.no_grad():
         model.load_weights(weights)
     return model.eval(), hf_config
@@ -75,9 +76,20 @@ def fp8_block_size(hf_config, path: str) -> tuple[int, int]:
     return tuple(block)
 
 
-# An FP8 weight `X.weight` carries its dequantisation multipliers, one per block, as `X.weight_scale_inv`
-# (transformers' and DeepSeek's released layout) or `X.scale` (DeepSeek's inference layout).
+def fp4_experts(hf_config) -> bool:
+    """Whether int8 weights with scales are FP4-packed experts: DeepSeek-V4 declares expert_dtype 'fp4' in
+    its quantization_config (V4.1's place; transformers moves V4's top-level field there too)."""
+    q = getattr(hf_config, "quantization_config", None) or {}
+    q = q if isinstance(q, dict) else q.to_dict()
+    return (q.get("expert_dtype") or getattr(hf_config, "expert_dtype", None)) == "fp4"
+
+
+# A quantised weight `X.weight` carries its dequantisation multipliers, one per block, as `X.weight_scale_inv`
+# (transformers' and DeepSeek's released layout) or `X.scale` (DeepSeek's inference layout). FP8 weights
+# have blocks of quantization_config.weight_block_size; FP4 experts (int8, two E2M1 values per byte, the
+# first in the low nibble) one scale per 32 values of a row, as E8M0 exponents or plain floats.
 _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+FP4_BLOCK = 32
 
 
 def _scale_name(weight: str, names) -> str | None:
@@ -95,13 +107,34 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"checkpoint tensor {name!r}: FP8 weight {tuple(weight.shape)} with {block[0]}x{block[1]} "
                          f"blocks needs scales of shape {want}, the checkpoint's are {tuple(scale_inv.shape)}")
-    scale = scale_inv.float().repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)
+    scale = scale_values(scale_inv).repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)
     return weight.float() * scale[..., :cols]
 
 
-def safetensors_weights(path: str, fp8_block: tuple[int, int] = (128, 128)) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every checkpoint tensor; FP8 weights come dequantised with their block scales,
-    which are not yielded themselves."""
+def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """weight [..., R, C/2] int8 (packed E2M1 pairs) and scale [..., R, C/32] -> float32 [..., R, C]: each value
+    times its row's scale for its 32 columns (transformers' FP4 expert rule)."""
+    rows, cols = weight.shape[-2], 2 * weight.shape[-1]
+    want = (*weight.shape[:-1], cols // FP4_BLOCK)
+    if cols % FP4_BLOCK or tuple(scale.shape) != want:
+        raise ValueError(f"checkpoint tensor {name!r}: FP4 weight {tuple(weight.shape)} ({cols} values a row) needs "
+                         f"scales of shape {want}, one per {FP4_BLOCK}; the checkpoint's are {tuple(scale.shape)}")
+    values = fp4.unpack_e2m1(weight.view(torch.uint8)).unflatten(-1, (-1, FP4_BLOCK))
+    return (values * scale_values(scale).unsqueeze(-1)).flatten(-2)
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """Stored scales -> fp32 multipliers: E8M0 exponents (float8_e8m0fnu, or their raw uint8 bytes) are
+    2^(byte - 127); float scales are themselves."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
+
+
+def safetensors_weights(path: str, fp8_block: tuple[int, int] = (128, 128),
+                        fp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint tensor; FP8 weights and (with fp4) FP4 experts come dequantised
+    with their scales, which are not yielded themselves."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -114,20 +147,32 @@ def safetensors_weights(path: str, fp8_block: tuple[int, int] = (128, 128)) -> I
         except Exception as e:
             raise ValueError(f"{file}: not a readable safetensors file: {e}") from e
         where.update({name: handle for name in handle.keys()})
-    fp8 = {name for name, h in where.items() if h.get_slice(name).get_dtype() in _FP8_DTYPES}
-    scales = {}
-    for name in fp8:
-        scale = _scale_name(name, where)
-        if scale is None:
-            raise ValueError(f"checkpoint tensor {name!r} is FP8 but has no {name + '_scale_inv'!r} scales")
-        scales[name] = scale
+    scales = _quantized_weights(where, fp4)
     for name, handle in where.items():
         if name in scales.values():
             continue
         tensor = handle.get_tensor(name)
         if name in scales:
-            tensor = dequantize_fp8(tensor, where[scales[name]].get_tensor(scales[name]), fp8_block, name)
+            scale = where[scales[name]].get_tensor(scales[name])
+            fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            tensor = dequantize_fp8(tensor, scale, fp8_block, name) if fp8 else dequantize_fp4(tensor, scale, name)
         yield name, tensor
+
+
+def _quantized_weights(where: dict, fp4: bool) -> dict[str, str]:
+    """{quantised weight: its scale tensor} of a checkpoint; refuses FP8 weights without scales and int8
+    weights with scales in a checkpoint that does not declare FP4 experts."""
+    scales = {}
+    for name, handle in where.items():
+        dtype, scale = handle.get_slice(name).get_dtype(), _scale_name(name, where)
+        if dtype in _FP8_DTYPES and scale is None:
+            raise ValueError(f"checkpoint tensor {name!r} is FP8 but has no {name + '_scale_inv'!r} scales")
+        if dtype == "I8" and scale is not None and not fp4:
+            raise ValueError(f"checkpoint tensor {name!r} is int8 with scales {scale!r}: FP4-packed experts, but "
+                             "the config's quantization_config does not declare expert_dtype 'fp4'")
+        if dtype in _FP8_DTYPES or (dtype == "I8" and scale is not None):
+            scales[name] = scale
+    return scales
 
 
 def _gguf_reader(file: str):
