@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, SamplingParams, platform
 from deepinfer.layers import gemm_plan
 from deepinfer.layers.moe import balanced_moe_blocks
 from examples.sweep.metrics import floor_ms
@@ -180,7 +180,8 @@ def decode_rounds(ours: LLM, hf, reads: WeightReads, batches: list[int], args, v
         for b in batches:
             batch = prompts(b, args.prompt, vocab, b)
             mine, _, costs = ours_run(ours, batch, args.steps + 1, reads)
-            theirs = hf_decode(hf, batch, args.steps)
+            with platform.torch_parallel():  # transformers' ops on all args.threads (ours keep torch at one)
+                theirs = hf_decode(hf, batch, args.steps)
             for acc, new in zip(steps[b], (mine, theirs, costs)):
                 acc.extend(new)
             print(f"round {r}, batch {b}: ours {statistics.median(mine) * 1e3:.1f} ms/step, transformers "
@@ -221,13 +222,13 @@ def main():
 
     cfg = AutoConfig.from_pretrained(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    # num_threads: the engine sets torch's (process-wide) thread count, which transformers then runs with too.
+    # num_threads: our kernels' threads; transformers gets as many torch threads inside platform.torch_parallel().
     common = dict(dtype="bfloat16", block_size=128, max_num_seqs=max(batches), kv_cache_memory=1 << 30,
                   num_threads=args.threads)
     ours = LLM(args.model, kv_cache_dtype="fp4", **common)
     ours_exact_bytes = ours_cache_bytes(LLM(args.model, **common), 4096)
     hf = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
-    assert torch.get_num_threads() == args.threads, "both engines must run with the labelled thread count"
+    assert platform.kernel_threads() == args.threads, "both engines must run with the labelled thread count"
 
     ours_run(ours, prompts(1, args.prompt, cfg.vocab_size, 99), 3)  # warm-up
     rows, rates = decode_rounds(ours, hf, WeightReads(ours.engine.model), batches, args, cfg.vocab_size)
@@ -235,7 +236,8 @@ def main():
     long_prompt = prompts(1, args.prefill, cfg.vocab_size, 7)
     _, pre, _ = ours_run(ours, long_prompt, 1)
     ours_tps = pre[0][0] / pre[0][1]
-    hf_s, cache = hf_prefill(hf, long_prompt[0])
+    with platform.torch_parallel():
+        hf_s, cache = hf_prefill(hf, long_prompt[0])
     hf_tps = args.prefill / hf_s
     measured, predicted = hf_cache_bytes(cache), hf_cache_formula(cfg, args.prefill)
     assert measured == predicted, f"transformers cache formula is off: {measured} vs {predicted}"

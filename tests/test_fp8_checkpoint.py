@@ -42,18 +42,30 @@ def quantized(name: str, t: torch.Tensor) -> bool:
             and not any(x in name for x in ("embed", "head", ".gate.weight")))
 
 
-def fp8_tensors(tensors: dict) -> dict:
-    out = {}
-    for name, t in tensors.items():
-        if quantized(name, t):
-            out[name], out[name + "_scale_inv"] = quantize_blocks(t)
-        else:
-            out[name] = t
-    return out
+# (which tensors, quantise, dequantise by hand): the first rule a tensor matches is applied
+FP8_RULES = [(quantized, quantize_blocks, dequantize_by_hand)]
 
 
-def hand_dequantized(tensors: dict) -> dict:
-    return {n: dequantize_by_hand(*quantize_blocks(t)) if quantized(n, t) else t for n, t in tensors.items()}
+def stored(rules):
+    """Checkpoint edit: each tensor a rule matches becomes its quantised form plus `_scale_inv`."""
+    def edit(tensors: dict) -> dict:
+        out = {}
+        for name, t in tensors.items():
+            rule = next((r for r in rules if r[0](name, t)), None)
+            if rule is None:
+                out[name] = t
+            else:
+                out[name], out[name + "_scale_inv"] = rule[1](t)
+        return out
+    return edit
+
+
+def dequantized(rules):
+    """Checkpoint edit: each tensor a rule matches becomes what its quantised form dequantises to."""
+    def edit(tensors: dict) -> dict:
+        rule_of = {n: next((r for r in rules if r[0](n, t)), None) for n, t in tensors.items()}
+        return {n: t if rule_of[n] is None else rule_of[n][2](*rule_of[n][1](t)) for n, t in tensors.items()}
+    return edit
 
 
 def with_quant_config(path, **quant):
@@ -64,51 +76,54 @@ def with_quant_config(path, **quant):
     return path
 
 
+def assert_loads_as(path, dequantized):
+    """The checkpoint at path loads to exactly the parameters of the hand-dequantised one."""
+    from deepinfer.models.loader import load_model
+
+    ours = dict(load_model(str(path), torch.float32)[0].named_parameters())
+    for name, p in load_model(str(dequantized), torch.float32)[0].named_parameters():
+        assert torch.equal(ours[name], p), name
+
+
+def assert_generates_transformers_tokens(path, hf):
+    prompts = [prompt_of(9, 1), prompt_of(30, 2)]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     from transformers import DeepseekV4ForCausalLM as HF
 
     root = tmp_path_factory.mktemp("fp8")
     make_checkpoint(root / "bf", seed=11)
-    fp8 = with_quant_config(_rewrite_checkpoint(root / "bf", root / "fp8", fp8_tensors))
-    deq = _rewrite_checkpoint(root / "bf", root / "deq", hand_dequantized)
+    fp8 = with_quant_config(_rewrite_checkpoint(root / "bf", root / "fp8", stored(FP8_RULES)))
+    deq = _rewrite_checkpoint(root / "bf", root / "deq", dequantized(FP8_RULES))
     hf = HF.from_pretrained(str(deq), dtype=torch.float32).eval()
     return fp8, deq, hf
 
 
 def test_fp8_weights_load_dequantised_by_their_block_scales(ckpts):
-    from deepinfer.models.loader import load_model
-
     from safetensors.torch import load_file
 
     fp8, deq, _ = ckpts
     stored = load_file(str(fp8 / "model.safetensors"))
     assert sum(t.dtype == torch.float8_e4m3fn for t in stored.values()) >= 20  # attention, experts, compressors
-    ours, _ = load_model(str(fp8), torch.float32)
-    ref, _ = load_model(str(deq), torch.float32)
-    ref_params = dict(ref.named_parameters())
-    for name, p in ours.named_parameters():
-        assert torch.equal(p, ref_params[name]), name
+    assert_loads_as(fp8, deq)
 
 
 def test_fp8_checkpoint_generates_transformers_tokens(ckpts):
     fp8, _, hf = ckpts
-    prompts = [prompt_of(9, 1), prompt_of(30, 2)]
-    llm = LLM(str(fp8), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+    assert_generates_transformers_tokens(fp8, hf)
 
 
 def test_deepseek_inference_layout_scale_names(ckpts, tmp_path):
     """DeepSeek's own inference code names the scales `X.scale`."""
-    from deepinfer.models.loader import load_model
-
     fp8, deq, _ = ckpts
     renamed = _rewrite_checkpoint(fp8, tmp_path / "scale", lambda t: {
         (n[:-len("weight_scale_inv")] + "scale" if n.endswith("weight_scale_inv") else n): v for n, v in t.items()})
-    ours, _ = load_model(str(renamed), torch.float32)
-    ref = dict(load_model(str(deq), torch.float32)[0].named_parameters())
-    assert all(torch.equal(p, ref[n]) for n, p in ours.named_parameters())
+    assert_loads_as(renamed, deq)
 
 
 def test_bad_fp8_checkpoints_are_refused_by_name(ckpts, tmp_path):
@@ -161,21 +176,7 @@ def dequantize_fp4_by_hand(packed: torch.Tensor, scale: torch.Tensor) -> torch.T
     return values * scale.float().repeat_interleave(32, dim=-1)
 
 
-def flash_tensors(tensors: dict) -> dict:
-    out = {}
-    for name, t in tensors.items():
-        if fp4_expert(name, t):
-            out[name], out[name + "_scale_inv"] = quantize_fp4(t)
-        elif quantized(name, t):
-            out[name], out[name + "_scale_inv"] = quantize_blocks(t)
-        else:
-            out[name] = t
-    return out
-
-
-def flash_dequantized(tensors: dict) -> dict:
-    return {n: dequantize_fp4_by_hand(*quantize_fp4(t)) if fp4_expert(n, t)
-            else dequantize_by_hand(*quantize_blocks(t)) if quantized(n, t) else t for n, t in tensors.items()}
+FLASH_RULES = [(fp4_expert, quantize_fp4, dequantize_fp4_by_hand)] + FP8_RULES
 
 
 @pytest.fixture(scope="module")
@@ -184,26 +185,19 @@ def flash(tmp_path_factory, ckpts):
 
     root = tmp_path_factory.mktemp("flash")
     bf = ckpts[0].parent / "bf"
-    fp4 = with_quant_config(_rewrite_checkpoint(bf, root / "fp4", flash_tensors), expert_dtype="fp4")
-    deq = _rewrite_checkpoint(bf, root / "deq", flash_dequantized)
+    fp4 = with_quant_config(_rewrite_checkpoint(bf, root / "fp4", stored(FLASH_RULES)), expert_dtype="fp4")
+    deq = _rewrite_checkpoint(bf, root / "deq", dequantized(FLASH_RULES))
     return fp4, deq, HF.from_pretrained(str(deq), dtype=torch.float32).eval()
 
 
 def test_fp4_experts_load_dequantised_and_generate_transformers_tokens(flash):
     from safetensors.torch import load_file
 
-    from deepinfer.models.loader import load_model
-
     fp4, deq, hf = flash
     stored = load_file(str(fp4 / "model.safetensors"))
     assert sum(t.dtype == torch.int8 for t in stored.values()) == 4 * 6 * 3  # every layer's routed experts
-    ours = dict(load_model(str(fp4), torch.float32)[0].named_parameters())
-    ref = load_model(str(deq), torch.float32)[0]
-    assert all(torch.equal(ours[n], p) for n, p in ref.named_parameters())
-    prompts = [prompt_of(9, 1), prompt_of(30, 2)]
-    llm = LLM(str(fp4), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+    assert_loads_as(fp4, deq)
+    assert_generates_transformers_tokens(fp4, hf)
 
 
 def test_bad_fp4_experts_are_refused_by_name(flash, tmp_path):
