@@ -251,3 +251,19 @@ def test_finite_rows_flags_nan_and_both_infinities_but_not_huge_finite_logits():
     logits[4] = 3e38
     logits[5, 7] = -3e38
     assert finite_rows(logits).tolist() == torch.isfinite(logits).all(-1).tolist() == [True, False, False, False, True, True]
+
+
+def test_engine_add_request_refuses_a_prompt_dict_and_keeps_no_half_request(tiny_llama):
+    """The engine-level API takes token ids; a prompt dict (what LLM.generate takes) is refused by request and
+    field before anything is registered, and the engine then serves the same request correctly."""
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20)
+    engine, ids = llm.engine, prompts(1)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(TypeError, match=r"request 'r0': prompt_token_ids must be a sequence of token ids, got dict"):
+        engine.add_request("r0", {"prompt_token_ids": ids}, params)
+    assert not engine.seqs and not engine.requests and not engine.has_unfinished()
+    engine.add_request("r0", ids, params)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()[0]})
+    assert done["r0"] == llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids

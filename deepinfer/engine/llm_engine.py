@@ -186,15 +186,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
+        if isinstance(prompt_token_ids, (str, bytes, dict)) or not hasattr(prompt_token_ids, "__len__"):
+            raise TypeError(f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, got "
+                            f"{type(prompt_token_ids).__name__} (LLM.generate takes prompt dicts and strings)")
         limits = self._limits(params)
         logits_ctx = self._logits_context(params, prompt_token_ids)
         seq_ids = []
         for index in range(params.n):
             seq_id = next(self._seq_counter)
             seed = self.sequence_seed(request_id, params, index)
-            self.seqs[seq_id] = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
-                                         logits_ctx=logits_ctx, grammar=self._grammar(params, []))
-            self.scheduler.add_sequence(seq_id, prompt_token_ids, limits)
+            state = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
+                             logits_ctx=logits_ctx, grammar=self._grammar(params, []))
+            self.scheduler.add_sequence(seq_id, prompt_token_ids, limits)  # only then is it the engine's
+            self.seqs[seq_id] = state
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seq_ids, metrics)
