@@ -19,14 +19,18 @@ OUT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 def kv_load_ref(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dtype=torch.float32):
     """Gather + dequantise with deepinfer.formats.fp4; see module docstring for shapes."""
     _validate(packed, scales, block_table, indices, fmt)
-    BE = packed.shape[1]
-    valid = indices >= 0
-    pos = indices.long().clamp(min=0)
-    slot = block_table.long().gather(1, pos // BE).clamp(min=0) * BE + pos % BE
+    slot, valid = entry_slots(block_table, indices, packed.shape[1])
     p = packed.reshape(-1, packed.shape[-1])[slot]
     s = scales.reshape(-1, scales.shape[-1])[slot]
     out = dequantize_nvfp4(p, s, tensor_scale) if fmt == "nvfp4" else dequantize_mxfp4(p, s)
     return torch.where(valid.unsqueeze(-1), out, 0.0).to(dtype), valid
+
+
+def entry_slots(block_table, indices, block_entries: int):
+    """-> (flat pool rows [B, k] of the entries at `indices` (padding: row 0), valid [B, k])."""
+    valid = indices >= 0
+    pos = indices.long().clamp(min=0)
+    return block_table.long().gather(1, pos // block_entries).clamp(min=0) * block_entries + pos % block_entries, valid
 
 
 def make_kv_load(fmt: str, D: int, BE: int, out_dtype: str, threads: int):

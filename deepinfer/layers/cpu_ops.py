@@ -340,13 +340,10 @@ def _kv_width(data: torch.Tensor, scales: torch.Tensor, fmt: str) -> int:
 def kv_load(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dtype=torch.float32):
     """tilelang_ops.kv_load.kv_load_ref's arguments and result, bit for bit: the selected FP4 entries
     [B, k, D] in dtype (padding zeros) and valid [B, k]."""
-    from tilelang_ops.kv_load import _validate
+    from tilelang_ops.kv_load import _validate, entry_slots
 
     _validate(packed, scales, block_table, indices, fmt)
-    per_block = packed.shape[1]
-    valid = indices >= 0
-    pos = indices.long().clamp(min=0)
-    rows = block_table.long().gather(1, pos // per_block).clamp(min=0) * per_block + pos % per_block
+    rows, valid = entry_slots(block_table, indices, packed.shape[1])
     return load_rows(packed, scales, torch.where(valid, rows, -1), fmt, dtype, tensor_scale), valid
 
 

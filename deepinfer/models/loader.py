@@ -63,10 +63,9 @@ def hf_dir_config(path: str):
 def fp8_block_size(hf_config, path: str) -> tuple[int, int]:
     """The (rows, cols) block of an FP8 checkpoint's weight scales: DeepSeek's `quantization_config`
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}), or 128 x 128 where there is none."""
-    q = getattr(hf_config, "quantization_config", None)
+    q = _quantization_config(hf_config)
     if q is None:
         return (128, 128)
-    q = q if isinstance(q, dict) else q.to_dict()
     if q.get("quant_method") != "fp8":
         raise ValueError(f"{path}: quantization_config quant_method {q.get('quant_method')!r} is not supported "
                          "(block-scaled 'fp8' is)")
@@ -79,9 +78,14 @@ def fp8_block_size(hf_config, path: str) -> tuple[int, int]:
 def fp4_experts(hf_config) -> bool:
     """Whether int8 weights with scales are FP4-packed experts: DeepSeek-V4 declares expert_dtype 'fp4' in
     its quantization_config (V4.1's place; transformers moves V4's top-level field there too)."""
-    q = getattr(hf_config, "quantization_config", None) or {}
-    q = q if isinstance(q, dict) else q.to_dict()
+    q = _quantization_config(hf_config) or {}
     return (q.get("expert_dtype") or getattr(hf_config, "expert_dtype", None)) == "fp4"
+
+
+def _quantization_config(hf_config) -> dict | None:
+    """The config's quantization_config as a dict, None when it has none."""
+    q = getattr(hf_config, "quantization_config", None)
+    return q if q is None or isinstance(q, dict) else q.to_dict()
 
 
 # A quantised weight `X.weight` carries its dequantisation multipliers, one per block, as `X.weight_scale_inv`
@@ -132,9 +136,9 @@ def scale_values(scale: torch.Tensor) -> torch.Tensor:
 
 
 def safetensors_weights(path: str, fp8_block: tuple[int, int] = (128, 128),
-                        fp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every checkpoint tensor; FP8 weights and (with fp4) FP4 experts come dequantised
-    with their scales, which are not yielded themselves."""
+                        fp4_packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint tensor; FP8 weights and (with fp4_packed) FP4 experts come
+    dequantised with their scales, which are not yielded themselves."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -147,19 +151,19 @@ def safetensors_weights(path: str, fp8_block: tuple[int, int] = (128, 128),
         except Exception as e:
             raise ValueError(f"{file}: not a readable safetensors file: {e}") from e
         where.update({name: handle for name in handle.keys()})
-    scales = _quantized_weights(where, fp4)
+    scales = _quantized_weights(where, fp4_packed)
     for name, handle in where.items():
         if name in scales.values():
             continue
         tensor = handle.get_tensor(name)
         if name in scales:
             scale = where[scales[name]].get_tensor(scales[name])
-            fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-            tensor = dequantize_fp8(tensor, scale, fp8_block, name) if fp8 else dequantize_fp4(tensor, scale, name)
+            packed = tensor.dtype == torch.int8  # _quantized_weights takes int8 weights only as FP4 experts
+            tensor = dequantize_fp4(tensor, scale, name) if packed else dequantize_fp8(tensor, scale, fp8_block, name)
         yield name, tensor
 
 
-def _quantized_weights(where: dict, fp4: bool) -> dict[str, str]:
+def _quantized_weights(where: dict, fp4_packed: bool) -> dict[str, str]:
     """{quantised weight: its scale tensor} of a checkpoint; refuses FP8 weights without scales and int8
     weights with scales in a checkpoint that does not declare FP4 experts."""
     scales = {}
@@ -167,7 +171,7 @@ def _quantized_weights(where: dict, fp4: bool) -> dict[str, str]:
         dtype, scale = handle.get_slice(name).get_dtype(), _scale_name(name, where)
         if dtype in _FP8_DTYPES and scale is None:
             raise ValueError(f"checkpoint tensor {name!r} is FP8 but has no {name + '_scale_inv'!r} scales")
-        if dtype == "I8" and scale is not None and not fp4:
+        if dtype == "I8" and scale is not None and not fp4_packed:
             raise ValueError(f"checkpoint tensor {name!r} is int8 with scales {scale!r}: FP4-packed experts, but "
                              "the config's quantization_config does not declare expert_dtype 'fp4'")
         if dtype in _FP8_DTYPES or (dtype == "I8" and scale is not None):
