@@ -19,7 +19,7 @@ def make_scheduler(num_blocks, block_size, max_num_seqs, engine_type=_C.EngineTy
 
 
 ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 20)),
+    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 20), st.integers(0, 3)),
     st.tuples(st.just("step"), st.integers(0, 10_000), st.booleans()),
     st.tuples(st.just("abort"), st.integers(0, 10_000), st.booleans()),
 ), min_size=1, max_size=60)
@@ -29,12 +29,14 @@ ops = st.lists(st.one_of(
 @given(ops=ops, num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 16]),
        max_num_seqs=st.integers(1, 6), budget=st.sampled_from([1, 5, 16, 64]), threshold=st.sampled_from([0, 3]))
 def test_random_traces_keep_invariants(ops, num_blocks, block_size, max_num_seqs, budget, threshold):
-    """Chunked prefill included: budgets below the prompt lengths, and a per-sequence cap."""
+    """Chunked prefill included: budgets below the prompt lengths, and a per-sequence cap; and prefix-store
+    hits (whole cached blocks short of the last prompt token)."""
     sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget=budget, threshold=threshold)
     live, finished, next_id = {}, {}, 0
     for op in ops:
         if op[0] == "add":
-            sched.add_sequence(next_id, [7] * op[1], _C.SamplingLimits(op[2]))
+            cached = min(op[3], (op[1] - 1) // block_size) * block_size
+            sched.add_sequence(next_id, [7] * op[1], _C.SamplingLimits(op[2]), cached)
             live[next_id], next_id = op[2], next_id + 1
         elif op[0] == "step":
             _step(sched, live, finished, eos_seed=op[1] if op[2] else None)
@@ -124,6 +126,37 @@ def test_long_prefill_threshold_lets_a_short_prompt_in_beside_a_long_one():
     assert list(batch.sampled) == [0, 1]
     sched.process(batch, [9])
     assert sched.schedule().type == _C.StepType.PREFILL, "the long prompt's next chunk before the decode"
+
+
+def test_cached_prefix_starts_prefill_after_it_and_preemption_recomputes_all():
+    import pytest
+
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=2)
+    sched.add_sequence(0, list(range(2, 13)), _C.SamplingLimits(30), num_cached_tokens=8)
+    batch = sched.schedule()
+    assert batch.positions.tolist() == [8, 9, 10] and batch.context_lens.tolist() == [11]
+    assert len(sched.sequence(0).block_table) == 3  # the cached prefix's blocks are the sequence's own
+    sched.process(batch, [5])
+    for _ in range(3):
+        sched.process(sched.schedule(), [5])
+    # a second sequence fills the pool; decode preempts the longest output, sequence 0
+    sched.add_sequence(1, [3] * 30, _C.SamplingLimits(30))
+    for _ in range(40):
+        batch = sched.schedule()
+        if 0 in batch.preempted:
+            break
+        sched.process(batch, [5] * int(batch.sampled.sum()))
+    assert 0 in batch.preempted
+    while True:  # the preempted sequence prefills again from token 0: its blocks were freed
+        sched.process(batch, [5] * int(batch.sampled.sum()))
+        batch = sched.schedule()
+        if 0 in list(batch.seq_ids) and batch.type == _C.StepType.PREFILL:
+            break
+    i = list(batch.seq_ids).index(0)
+    assert batch.positions[batch.query_start_loc[i]] == 0
+    for bad in (3, 12, 11):  # not whole blocks; the whole prompt; past it
+        with pytest.raises(ValueError, match="cached prefix"):
+            sched.add_sequence(9, list(range(2, 14)), _C.SamplingLimits(3), num_cached_tokens=bad)
 
 
 def test_block_manager_refcounts():

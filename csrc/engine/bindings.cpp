@@ -139,7 +139,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init<const SchedulerConfig&>())
-      .def("add_sequence", &Scheduler::add_sequence, py::arg("seq_id"), py::arg("prompt"), py::arg("limits"))
+      .def("add_sequence", &Scheduler::add_sequence, py::arg("seq_id"), py::arg("prompt"), py::arg("limits"),
+           py::arg("num_cached_tokens") = 0)
       .def("import_sequence", &Scheduler::import_sequence, py::arg("seq_id"), py::arg("tokens"),
            py::arg("num_prompt_tokens"), py::arg("limits"))
       .def("schedule", &Scheduler::schedule, py::arg("want") = StepType::IDLE,

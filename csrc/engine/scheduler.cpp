@@ -35,18 +35,22 @@ std::vector<int64_t> Scheduler::running_ids() const {
 }
 
 void Scheduler::add_sequence(int64_t seq_id, const std::vector<int32_t>& prompt,
-                             const SamplingLimits& limits) {
+                             const SamplingLimits& limits, int num_cached_tokens) {
   DI_REQUIRE(config_.engine_type != EngineType::COMPLETION,
              "a COMPLETION engine only accepts imported sequences");
   DI_REQUIRE(!seqs_.count(seq_id), "sequence " + std::to_string(seq_id) + " already exists");
   DI_REQUIRE(!prompt.empty(), "sequence " + std::to_string(seq_id) + " has an empty prompt");
   DI_REQUIRE(static_cast<int>(prompt.size()) < config_.max_model_len,
              "sequence " + std::to_string(seq_id) + " prompt does not fit max_model_len");
+  DI_REQUIRE(num_cached_tokens >= 0 && num_cached_tokens < static_cast<int>(prompt.size()) &&
+                 num_cached_tokens % config_.block_size == 0,
+             "sequence " + std::to_string(seq_id) + ": a cached prefix is whole blocks short of the last prompt token");
   auto seq = std::make_unique<Sequence>();
   seq->seq_id = seq_id;
   seq->arrival = next_arrival_++;
   seq->token_ids = prompt;
   seq->num_prompt_tokens = static_cast<int>(prompt.size());
+  seq->num_computed_tokens = num_cached_tokens;
   seq->limits = limits;
   waiting_.push_back(seq.get());
   seqs_.emplace(seq_id, std::move(seq));

@@ -65,7 +65,11 @@ class Scheduler {
  public:
   explicit Scheduler(const SchedulerConfig& config);
 
-  void add_sequence(int64_t seq_id, const std::vector<int32_t>& prompt, const SamplingLimits& limits);
+  // num_cached_tokens: a prefix (whole blocks, short of the last prompt token) whose KV the caller writes
+  // into the first blocks of block_table(seq_id) when the sequence is first scheduled (a prefix-store hit);
+  // its prefill starts after it. A preempted sequence recomputes from token 0.
+  void add_sequence(int64_t seq_id, const std::vector<int32_t>& prompt, const SamplingLimits& limits,
+                    int num_cached_tokens = 0);
   // COMPLETION: admit a prefilled sequence (tokens = prompt + first sampled token). Returns false if
   // blocks or a state slot are short; on success the caller copies its KV into block_table(seq_id).
   bool import_sequence(int64_t seq_id, const std::vector<int32_t>& tokens, int num_prompt_tokens,
