@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from deepinfer import _C, platform
 from deepinfer.config import EngineConfig, dataclass_from_dict, hf_get
+from deepinfer.engine.balancers import DecodeBalancer
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.layers.moe import balanced_moe_blocks
 
@@ -59,7 +60,7 @@ class DPConfig:
 
 
 # ----------------------------------------------------------------------------------------------------
-# policy: the vote and the balancer (pure Python, no Ray)
+# policy: the vote (pure Python, no Ray); the balancer is engine/balancers.py
 
 
 class StepVote:
@@ -87,36 +88,6 @@ class StepVote:
             return PREFILL
         self.decode_steps += 1
         return DECODE
-
-
-class DecodeBalancer:
-    """Assigns requests to ranks evening out both the number of requests and their total KV length
-    (prompt + max_tokens, what a request holds at its end), counting what each rank still runs."""
-
-    def __init__(self, world_size: int):
-        self.count = [0] * world_size
-        self.kv = [0] * world_size
-
-    def assign(self, kv_lens: list[int]) -> list[int]:
-        """kv_lens [N] -> rank of each. Longest first (LPT), each to the rank whose load after taking
-        it is smallest, load = kv share + request-count share of the batch's totals."""
-        ranks = [0] * len(kv_lens)
-        total_kv = max(1, sum(self.kv) + sum(kv_lens))
-        total_n = max(1, sum(self.count) + len(kv_lens))
-        for i in sorted(range(len(kv_lens)), key=lambda i: -kv_lens[i]):
-            score = [(self.kv[r] + kv_lens[i]) / total_kv + (self.count[r] + 1) / total_n
-                     for r in range(len(self.kv))]
-            ranks[i] = min(range(len(score)), key=score.__getitem__)
-            self.add(ranks[i], kv_lens[i])
-        return ranks
-
-    def add(self, rank: int, kv_len: int) -> None:
-        self.count[rank] += 1
-        self.kv[rank] += kv_len
-
-    def release(self, rank: int, kv_len: int) -> None:
-        self.count[rank] -= 1
-        self.kv[rank] -= kv_len
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,7 +132,7 @@ class DPRankWorker:
 
     def __init__(self, config: EngineConfig, rank: int, world_size: int, port: int, out_address: str,
                  dp: DPConfig):
-        from deepinfer.distributed.channels import OutputSender
+        from deepinfer.distributed.channels import Sender
         from deepinfer.distributed.process_groups import DPGroup
 
         logging.basicConfig(level=logging.INFO, format=f"[dp rank {rank}] %(message)s")
@@ -173,7 +144,7 @@ class DPRankWorker:
         self.ep_layers, self.ep_stats = self._shard_experts()
         self.moe_blocks = balanced_moe_blocks(self.engine.model)
         self.vote = StepVote(dp.prefill_attempt_interval, dp.prefill_any_attempt_interval)
-        self.out = OutputSender(out_address)
+        self.out = Sender(out_address)
         self.pending: deque = deque()
         # Group-wide EPLB: every rank counts the same steps, so all replan at the same step.
         self.eplb_enabled = config.enable_eplb and bool(self.moe_blocks)
@@ -357,16 +328,18 @@ class DPEngine:
     def __init__(self, config: EngineConfig, data_parallel_size: int, ray_address: str | None = None,
                  dp_config: dict | None = None):
         from deepinfer.distributed import ray_launch
-        from deepinfer.distributed.channels import OutputReceiver
+        from deepinfer.distributed.channels import Receiver
         from deepinfer.distributed.process_groups import free_port
         from deepinfer.models.loader import load_tokenizer
 
         if not isinstance(data_parallel_size, int) or data_parallel_size < 2:
             raise ValueError(f"DPEngine needs data_parallel_size >= 2, got {data_parallel_size!r}")
         config.validate()
-        self.config, self.dp, self.world_size = config, DPConfig.from_dict(dp_config), data_parallel_size
+        self.dp, self.world_size = DPConfig.from_dict(dp_config), data_parallel_size
         self.hf_config = _hf_config(config.model)
-        config.fill_defaults(self.hf_config)
+        # The front's view; ranks fill in their own block size (the model decides what it must divide).
+        self.config = dataclasses.replace(config)
+        self.config.fill_defaults(self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
         self.tokenizer = load_tokenizer(config.model)
         if getattr(config, "speculative", None):
@@ -382,7 +355,7 @@ class DPEngine:
         self._session, self._session_done_at, self._failed = None, None, None
         self.last_stats: list[dict] = []
         owns_ray = ray_launch.ensure_ray(ray_address)
-        self.receiver = OutputReceiver()
+        self.receiver = Receiver()
         port = free_port()
         self.actors = ray_launch.start_actors(
             DPRankWorker, data_parallel_size,
