@@ -37,6 +37,8 @@ class EngineConfig:
     batch_invariant: bool = False
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    prefix_cache: str | dict | None = None  # engine/prefix_cache.py
+    state_transfer: str = "auto"  # engine/kv_transfer.py: how a handoff's StateBlock travels
 
     @staticmethod
     def default_num_threads() -> int:
@@ -62,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"LLM(num_threads={self.num_threads!r}) must be a positive integer")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp4", "fp4_all"):
             raise ValueError(f"LLM(kv_cache_dtype={self.kv_cache_dtype!r}) must be 'auto', 'fp8', 'fp4' or 'fp4_all'")
+        if self.state_transfer not in ("auto", "state", "replay"):
+            raise ValueError(f"LLM(state_transfer={self.state_transfer!r}) must be 'auto', 'state' or 'replay'")
         if self.engine_type not in ("normal", "prompt", "completion"):
             raise ValueError(f"LLM(engine_type={self.engine_type!r}) must be normal, prompt or completion")
 

@@ -1,4 +1,5 @@
-"""pyzmq channels between the DP front and its ranks, bound to 127.0.0.1 only.
+"""pyzmq channels between a front and its engine processes (DP ranks, prefill and decode engines), and
+between prefill and decode engines, bound to 127.0.0.1 only.
 
 Messages are Python objects pickled with protocol 5: numpy arrays and CPU tensors inside them travel
 as out-of-band frames sent with copy=False, so their bytes are never copied into the pickle (zero-copy
@@ -12,20 +13,29 @@ import torch
 import zmq
 
 
-def _tensor_from_numpy(a: np.ndarray) -> torch.Tensor:
+# dtypes numpy lacks travel as an integer view of the same width (bytes unchanged) and are viewed back.
+_NO_NUMPY = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8,
+             torch.float8_e8m0fnu: torch.uint8}
+
+
+def _tensor_from_numpy(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Wraps the received frame without copying; the frame is read-only, so is the tensor (by contract)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
+        t = torch.from_numpy(a)
+    return t if dtype is None else t.view(dtype)
 
 
 class _Pickler(pickle.Pickler):
     """Sends CPU tensors as numpy arrays, whose buffers protocol 5 moves out of band."""
 
     def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.dtype != torch.bfloat16:
-            return _tensor_from_numpy, (obj.detach().contiguous().numpy(),)
-        return NotImplemented
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+            return NotImplemented
+        t = obj.detach().contiguous()
+        if t.dtype in _NO_NUMPY:
+            return _tensor_from_numpy, (t.view(_NO_NUMPY[t.dtype]).numpy(), t.dtype)
+        return _tensor_from_numpy, (t.numpy(),)
 
 
 def encode(obj) -> list:
@@ -42,8 +52,8 @@ def decode(frames: list):
     return pickle.loads(memoryview(head), buffers=[memoryview(b) for b in buffers])
 
 
-class OutputReceiver:
-    """The front's PULL socket: every rank pushes its finished requests here."""
+class Receiver:
+    """A PULL socket on a random 127.0.0.1 port: a front's output channel, or an engine process's inbox."""
 
     def __init__(self):
         self.ctx = zmq.Context()
@@ -68,19 +78,22 @@ class OutputReceiver:
         self.ctx.term()
 
 
-class OutputSender:
-    """A rank's PUSH socket towards the front."""
+class Sender:
+    """A PUSH socket towards a Receiver."""
 
     def __init__(self, address: str):
         if not address.startswith("tcp://127.0.0.1:"):
-            raise ValueError(f"output channel {address!r} must be on 127.0.0.1")
+            raise ValueError(f"channel {address!r} must be on 127.0.0.1")
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 5000)  # flush pending outputs on close, but never hang forever
         self.sock.connect(address)
 
-    def send(self, obj) -> None:
-        self.sock.send_multipart(encode(obj), copy=False)
+    def send(self, obj) -> int:
+        """Queues obj; returns the bytes it occupies on the wire (pickle head plus out-of-band buffers)."""
+        frames = encode(obj)
+        self.sock.send_multipart(frames, copy=False)
+        return sum(memoryview(f).nbytes for f in frames)
 
     def close(self) -> None:
         self.sock.close()

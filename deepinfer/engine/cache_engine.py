@@ -52,17 +52,20 @@ class CacheEngine:
                     p["num_blocks"], p["tokens"], p["num_state_slots"], p["max_model_len_seqs"], max_model_len,
                     p["allocated_bytes"])
 
-    def export(self, block_ids: list[int], state_slot: int) -> dict[str, torch.Tensor]:
-        """Copies of one sequence's blocks ([n, ...] per paged tensor) and StateBlock."""
+    def export(self, block_ids: list[int], state_slot: int | None) -> dict[str, torch.Tensor]:
+        """Copies of one sequence's blocks ("paged.<name>" [n, ...]) and, unless state_slot is None, its
+        StateBlock ("state.<name>")."""
         idx = torch.tensor(block_ids, dtype=torch.long)
         out = {f"paged.{n}": t[idx].clone() for n, t in self.paged.items()}
-        out.update({f"state.{n}": t[state_slot].clone() for n, t in self.state.items()})
+        if state_slot is not None:
+            out.update({f"state.{n}": t[state_slot].clone() for n, t in self.state.items()})
         return out
 
-    def load(self, block_ids: list[int], state_slot: int, data: dict[str, torch.Tensor]) -> None:
-        """Writes an export() into this pool's blocks and slot (the pools must share a spec)."""
+    def load(self, block_ids: list[int], state_slot: int | None, data: dict[str, torch.Tensor]) -> None:
+        """Writes an export() into this pool's blocks (and slot, unless None); the pools must share a spec."""
         idx = torch.tensor(block_ids, dtype=torch.long)
         for n, t in self.paged.items():
             t[idx] = data[f"paged.{n}"]
-        for n, t in self.state.items():
-            t[state_slot] = data[f"state.{n}"]
+        if state_slot is not None:
+            for n, t in self.state.items():
+                t[state_slot] = data[f"state.{n}"]

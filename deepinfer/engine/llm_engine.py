@@ -15,6 +15,8 @@ from deepinfer.config import EngineConfig, hf_get
 from deepinfer.engine.cache_engine import CacheEngine
 from deepinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from deepinfer.engine.eplb import EplbConfig, EplbState
+from deepinfer.engine.kv_transfer import Handoff, StateTransfer
+from deepinfer.engine.prefix_cache import PrefixCache
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.layers import gemm_plan
 from deepinfer.layers.logits_processors import LogitsContext, bad_words_token_ids, needs_processing
@@ -50,6 +52,7 @@ class SeqState:
     detokenizer: IncrementalDetokenizer | None = None  # None: the model ships no tokenizer
     logits_ctx: LogitsContext | None = None  # None: no logits processor touches this request
     grammar: SequenceGrammar | None = None  # structured outputs: where the sequence is in its grammar
+    cached_prefix: list | None = None  # prefix-store blocks to write into the pool when first scheduled
 
 
 @dataclass
@@ -59,18 +62,6 @@ class Request:
     prompt_token_ids: list[int]
     seq_ids: list[int]
     metrics: RequestMetrics
-
-
-@dataclass
-class Handoff:
-    """A PROMPT engine's finished prefill: what a COMPLETION engine needs to continue it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    params: SamplingParams
-    seed: int  # the sequence's sampling seed (SeqState.seed)
-    kv: dict[str, torch.Tensor]
 
 
 class LLMEngine:
@@ -113,6 +104,8 @@ class LLMEngine:
         self.seqs: dict[int, SeqState] = {}
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Handoff] = []
+        self.state_transfer = StateTransfer(self.model, spec, config.block_size, config.state_transfer)
+        self.prefix_cache = PrefixCache.from_config(config) if config.prefix_cache else None
         self._seq_counter = itertools.count()
         self._grammars: GrammarCompiler | None = None
         self.num_steps = {"prefill": 0, "decode": 0}
@@ -185,19 +178,25 @@ class LLMEngine:
         return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, child: tuple[int, int] | None = None) -> None:
+        """child: (index, seed) to run only that child of a request whose children are spread over engines
+        (disaggregation); default: all params.n children, with sequence_seed's seeds."""
         if isinstance(prompt_token_ids, (str, bytes, dict)) or not hasattr(prompt_token_ids, "__len__"):
             raise TypeError(f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, got "
                             f"{type(prompt_token_ids).__name__} (LLM.generate takes prompt dicts and strings)")
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already running")
         limits = self._limits(params)
         logits_ctx = self._logits_context(params, prompt_token_ids)
+        children = [child] if child else [(i, self.sequence_seed(request_id, params, i)) for i in range(params.n)]
         seq_ids = []
-        for index in range(params.n):
+        for index, seed in children:
             seq_id = next(self._seq_counter)
-            seed = self.sequence_seed(request_id, params, index)
+            cached = self.prefix_cache.lookup(prompt_token_ids) if self.prefix_cache else []
             state = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
-                             logits_ctx=logits_ctx, grammar=self._grammar(params, []))
-            self.scheduler.add_sequence(seq_id, prompt_token_ids, limits)  # only then is it the engine's
+                             logits_ctx=logits_ctx, grammar=self._grammar(params, []), cached_prefix=cached or None)
+            # only then is it the engine's
+            self.scheduler.add_sequence(seq_id, prompt_token_ids, limits, len(cached) * self.config.block_size)
             self.seqs[seq_id] = state
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
@@ -253,6 +252,8 @@ class LLMEngine:
         for seq_id in batch.preempted:
             self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
         self.num_steps["prefill" if batch.type == _C.StepType.PREFILL else "decode"] += 1
+        if batch.type == _C.StepType.PREFILL:
+            self._write_cached_prefixes(batch)
         # An unsampled row is a prefill chunk short of its prompt's end: nothing is drawn for it.
         sampled = batch.sampled.astype(bool)
         states = [self.seqs[s] for s, drawn in zip(batch.seq_ids, sampled) if drawn]
@@ -265,6 +266,8 @@ class LLMEngine:
             results = self.scheduler.process_multi(batch, tokens)
         else:
             out, firsts = self._execute(batch, sampling), (sampled.cumsum() - 1).tolist()
+            if batch.type == _C.StepType.PREFILL and self.prefix_cache is not None:
+                self.prefix_cache.save_prompts(self, batch)
             results = self.scheduler.process(batch, out.tokens.tolist())
         if self.spec is not None:
             self.spec.after_step(self, batch, results)
@@ -418,26 +421,55 @@ class LLMEngine:
         self.seqs.clear()
         self.requests.clear()
 
-    # Disaggregation: PROMPT engines export prefilled sequences, COMPLETION engines import them.
+    def abort_request(self, request_id: str) -> bool:
+        """Ends a request's sequences (vLLM's abort_request); False if it is not running here."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq_id in req.seq_ids:
+            if self.seqs.pop(seq_id, None) is not None:
+                try:
+                    self.scheduler.finish(seq_id, _C.FinishReason.ABORT)
+                except ValueError:
+                    pass  # already gone from the scheduler
+        return True
+
+    # ---- prefix store ---------------------------------------------------------------------------------
+
+    def _write_cached_prefixes(self, batch) -> None:
+        """Writes prefix-store hits into the blocks the scheduler just gave their sequences (their prefill
+        starts after the prefix), and rebuilds a model's StateBlock there by exact replay."""
+        for i, seq_id in enumerate(batch.seq_ids):
+            state = self.seqs[seq_id]
+            if state.cached_prefix is None:
+                continue
+            blocks, state.cached_prefix = state.cached_prefix, None
+            seq = self.scheduler.sequence(seq_id)
+            self.cache.load(list(seq.block_table[:len(blocks)]), None, PrefixCache.stack(blocks))
+            self.state_transfer.rebuild(seq, len(blocks) * self.config.block_size)
+
+    # ---- disaggregation: PROMPT engines export prefilled sequences, COMPLETION engines import them ------
+
     def _hand_off(self, seq_id: int, state: SeqState) -> None:
         seq = self.scheduler.sequence(seq_id)
-        kv = self.cache.export(list(seq.block_table), seq.state_slot)
+        handoff = self.state_transfer.export(self.cache, seq, state)
         self.scheduler.release(seq_id)
-        req = self.requests[state.request_id]
-        self.handoffs.append(Handoff(state.request_id, req.prompt_token_ids, list(seq.token_ids), state.params, state.seed, kv))
+        self.handoffs.append(handoff)
         state.finish_reason = "handoff"
 
     def import_handoff(self, h: Handoff) -> bool:
-        """COMPLETION: admits a prefilled sequence with its KV. False if the pools are full now."""
+        """COMPLETION: admits a prefilled sequence with its KV (and rebuilds its StateBlock by replay when
+        the handoff carries none). Keyed by h.request_id. False if the pools are full now."""
         p = h.params
         seq_id = next(self._seq_counter)
         if not self.scheduler.import_sequence(seq_id, h.token_ids, len(h.prompt_token_ids), self._limits(p)):
             return False
         seq = self.scheduler.sequence(seq_id)
-        self.cache.load(list(seq.block_table), seq.state_slot, h.kv)
-        state = SeqState(h.request_id, 0, p, h.seed, token_ids=h.token_ids[len(h.prompt_token_ids):],
-                         detokenizer=self._detokenizer(p), logits_ctx=self._logits_context(p, h.prompt_token_ids),
-                         grammar=self._grammar(p, h.token_ids[len(h.prompt_token_ids):]))
+        self.state_transfer.load(self.cache, seq, h)
+        outputs = h.token_ids[len(h.prompt_token_ids):]
+        state = SeqState(h.request_id, h.index, p, h.seed, token_ids=outputs, detokenizer=self._detokenizer(p),
+                         logits_ctx=self._logits_context(p, h.prompt_token_ids), grammar=self._grammar(p, outputs),
+                         logprobs=list(h.logprobs), cumulative_logprob=h.cumulative_logprob)
         self.seqs[seq_id] = state
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(h.prompt_token_ids))
         self.requests[h.request_id] = Request(h.request_id, None, h.prompt_token_ids, [seq_id], metrics)

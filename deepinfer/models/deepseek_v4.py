@@ -451,6 +451,13 @@ class DeepseekV4ForCausalLM(nn.Module):
             need = max(need, context_len % r + (r if kind == CSA and context_len >= r else 0))
         return min(need, context_len)
 
+    def replay_exact_tokens(self, context_len: int) -> int:
+        """Replayed tokens that rebuild the StateBlock exactly (to fp32 rounding): a layer's window reaches one
+        window further back through each layer below it, so num_layers x sliding_window, plus what the
+        compression accumulators need (replay_min_tokens); capped at context_len."""
+        reach = self.config.num_hidden_layers * self.config.sliding_window
+        return min(context_len, reach + self.replay_min_tokens(context_len))
+
     @torch.no_grad()
     def replay_swa_state(self, token_ids: torch.Tensor, context_len: int, block_table: torch.Tensor,
                          state_slot: int, num_tokens: int | None = None) -> int:

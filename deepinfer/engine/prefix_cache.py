@@ -1,0 +1,76 @@
+"""An engine's prefix cache over the prefix KV store (engine/prefix_store.py), DeepInfer's 3FS role.
+
+A prompt's full blocks are stored once its prefill is done, content-addressed by the chained hash of the
+token prefix they complete. A later sequence whose prompt starts with stored blocks loads them (all but
+the block holding its last prompt token, whose logits it still needs) and prefills only the rest; a model
+with a StateBlock (DeepSeek-V4) gets it back by exact replay. The namespace seeds the hash chain with what
+makes blocks interchangeable (the weights, dtype, KV format and block size), so two models sharing one
+store never see each other's blocks."""
+import hashlib
+import os
+
+import torch
+
+from deepinfer.engine.prefix_store import PrefixStore
+
+DEFAULT_MAX_BYTES = 4 << 30
+
+
+class PrefixCache:
+    def __init__(self, store: PrefixStore, block_size: int):
+        self.store, self.block_size = store, block_size
+
+    @classmethod
+    def from_config(cls, config) -> "PrefixCache":
+        """config.prefix_cache: a store directory, or {"path": dir, "max_bytes": limit (default 4 GiB)}."""
+        opts = config.prefix_cache if isinstance(config.prefix_cache, dict) else {"path": config.prefix_cache}
+        unknown = set(opts) - {"path", "max_bytes"}
+        if unknown or not isinstance(opts.get("path"), str):
+            raise ValueError(f"LLM(prefix_cache=...) must be a directory or {{'path': dir, 'max_bytes': n}}, "
+                             f"got {config.prefix_cache!r}")
+        namespace = "|".join([model_fingerprint(config.model), str(config.dtype), config.kv_cache_dtype,
+                              str(config.block_size)])
+        store = PrefixStore(opts["path"], int(opts.get("max_bytes", DEFAULT_MAX_BYTES)), namespace)
+        return cls(store, config.block_size)
+
+    def hashes(self, token_ids: list[int]) -> list[bytes]:
+        return self.store.hashes(list(token_ids), self.block_size)
+
+    def lookup(self, prompt_token_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Stored blocks the prompt may reuse: the leading run of its full blocks short of its last token
+        (checksums verified; a corrupt entry ends the run and is recomputed)."""
+        usable = (len(prompt_token_ids) - 1) // self.block_size
+        return self.store.load(self.hashes(prompt_token_ids[:usable * self.block_size]))
+
+    def save_prompts(self, engine, batch) -> None:
+        """Stores the prompt blocks of every sequence whose prefill ends in this (just computed) step."""
+        tables = batch.block_tables  # [B, max_blocks]
+        for i, (seq_id, sampled) in enumerate(zip(batch.seq_ids, batch.sampled)):
+            if not sampled:
+                continue
+            seq = engine.scheduler.sequence(seq_id)
+            hashes = self.hashes(seq.token_ids[:seq.num_prompt_tokens])
+            have = self.store.match(hashes)
+            if have < len(hashes):
+                self.store.save(hashes[have:], self._blocks(engine.cache, tables[i, have:len(hashes)].tolist()))
+
+    @staticmethod
+    def _blocks(cache, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        data = cache.export(block_ids, None)
+        return [{name: t[i].clone() for name, t in data.items()} for i in range(len(block_ids))]
+
+    @staticmethod
+    def stack(blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Per-block dicts -> one export() dict ([n, ...] per tensor)."""
+        return {name: torch.stack([b[name] for b in blocks]) for name in blocks[0]}
+
+
+def model_fingerprint(path: str) -> str:
+    """The model directory (or file) and the size and mtime of every file in it: new weights, new blocks."""
+    path = os.path.abspath(path)
+    files = [path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path))
+    digest = hashlib.blake2b(digest_size=16)
+    for f in files:
+        st = os.stat(f)
+        digest.update(f"{os.path.basename(f)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return f"{path}#{digest.hexdigest()}"
