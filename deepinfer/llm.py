@@ -36,7 +36,14 @@ class LLM:
     one prompt per step (0: no cap), so short prompts get their first token beside a long one's chunks.
     batch_invariant: every bf16 GEMM runs our kernel with one reduction order for any batch, so a
     request's tokens do not depend on which requests share its steps (otherwise each GEMM shape takes
-    the path measured fastest on this CPU, see layers/gemm_plan.py)."""
+    the path measured fastest on this CPU, see layers/gemm_plan.py).
+    prefix_cache: a directory (or {"path", "max_bytes"}) for the prefix KV store: prompt blocks are kept there
+    content-addressed across runs and processes, and a prompt starting with stored blocks prefills only the
+    rest (engine/prefix_cache.py).
+    disaggregation: {"prefill": n_p, "decode": n_d, ...} runs n_p prefill and n_d decode engines as Ray
+    actors with the KV moving between them (see DisaggConfig in engine/disagg.py for all keys).
+    state_transfer: how a prompt engine's handoff carries a StateBlock (DeepSeek-V4): "state" sends it,
+    "replay" lets the receiver rebuild it exactly from the last tokens, "auto" picks the fewer bytes."""
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,
@@ -45,7 +52,8 @@ class LLM:
                  eplb_config: dict | None = None, eplb_plan: str | None = None, speculative: dict | None = None,
                  data_parallel_size: int = 1, ray_address: str | None = None, dp_config: dict | None = None,
                  batch_invariant: bool = False, enable_chunked_prefill: bool = True,
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, prefix_cache: str | dict | None = None,
+                 disaggregation: dict | None = None, state_transfer: str = "auto"):
         config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
                               kv_cache_memory=kv_cache_memory, block_size=block_size or 0,
@@ -54,8 +62,14 @@ class LLM:
                               enable_eplb=enable_eplb, eplb_config=eplb_config, eplb_plan=eplb_plan,
                               speculative=speculative, batch_invariant=batch_invariant,
                               enable_chunked_prefill=enable_chunked_prefill,
-                              long_prefill_token_threshold=long_prefill_token_threshold)
-        if data_parallel_size == 1:
+                              long_prefill_token_threshold=long_prefill_token_threshold,
+                              prefix_cache=prefix_cache, state_transfer=state_transfer)
+        if disaggregation is not None:  # prefill and decode engines in their own processes (engine/disagg.py)
+            if data_parallel_size != 1:
+                raise ValueError("LLM(disaggregation=...) with data_parallel_size > 1 is not supported yet")
+            from deepinfer.engine.disagg import DisaggEngine
+            self.engine = DisaggEngine(config, disaggregation, ray_address)
+        elif data_parallel_size == 1:
             self.engine = LLMEngine(config)
         else:  # DP attention + EP MoE over Ray ranks (engine/dp.py)
             from deepinfer.engine.dp import DPEngine

@@ -1,0 +1,432 @@
+"""Disaggregated prefill and decode: n_p PROMPT engines and n_d COMPLETION engines, each a Ray actor (its own
+process), behind LLMEngine's surface.
+
+The front (`DisaggEngine`, in the caller's process) splits each request into its params.n children and
+sends each child to a prefill engine (`PrefillBalancer`: context tier, then queued prompt tokens), naming
+the decode engine that will finish it (`DecodeBalancer`: running requests and total KV length), so the KV
+goes prefill -> decode directly over pyzmq (zero-copy frames, engine/kv_transfer.py) and never through the
+front. Engines report to the front on one channel: "prefilled" (first token drawn, KV sent), "imported",
+"finished". Ray only places and supervises the processes.
+
+Faults: an engine that dies is noticed from its serve() call; its unfinished children are prefilled again
+on survivors (a decode engine's KV is gone with it). A handoff not imported within transfer_timeout_s (a
+connection cut mid-transfer loses the message) is prefilled again. Every try has its own key, so a late
+message of an abandoned try is ignored (and the engine holding it is told to abort it): each output is
+returned once. With no prefill or decode engine left, step() raises."""
+import dataclasses
+import logging
+import os
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer.config import EngineConfig, dataclass_from_dict
+from deepinfer.engine.balancers import DecodeBalancer, PrefillBalancer
+from deepinfer.engine.dp import _hf_config, _summary
+from deepinfer.engine.kv_transfer import STATE_TRANSFER_MODES
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+logger = logging.getLogger("deepinfer")
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass
+class DisaggConfig:
+    """LLM(disaggregation=...) keys."""
+
+    prefill: int = 1                    # PROMPT engines
+    decode: int = 1                     # COMPLETION engines
+    state_transfer: str = "auto"        # a handoff's StateBlock: "state", "replay" or whichever moves fewer bytes
+    num_cpus_per_engine: float = 0.5    # Ray resources; fractional so engines share a small machine
+    num_gpus_per_engine: float = 0.0
+    transfer_timeout_s: float = 30.0    # prefilled but not imported by then: prefill again
+    max_attempts: int = 3               # tries per request child before it ends with finish_reason "error"
+    start_timeout_s: float = 300.0
+    poll_ms: int = 20                   # how long one front step() or idle engine waits for messages
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "DisaggConfig":
+        cfg = dataclass_from_dict(cls, d, "disaggregation")
+        for name in ("prefill", "decode", "max_attempts", "poll_ms"):
+            value = getattr(cfg, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LLM(disaggregation={{{name!r}: {value!r}}}) must be a positive integer")
+        if cfg.state_transfer not in STATE_TRANSFER_MODES:
+            raise ValueError(f"LLM(disaggregation={{'state_transfer': {cfg.state_transfer!r}}}) must be one of "
+                             f"{STATE_TRANSFER_MODES}")
+        return cfg
+
+
+# ----------------------------------------------------------------------------------------------------
+# engine process
+
+
+class EngineWorker:
+    """One PROMPT or COMPLETION engine in its own process, fed through its inbox.
+
+    Inbox messages: ("prefill", key, prompt_ids, params, (index, seed), decode_address), ("handoff", Handoff),
+    ("abort", key), ("stop",). To the front: (role, index, event, key, payload)."""
+
+    def __init__(self, config: EngineConfig, role: str, index: int, front_address: str, poll_ms: int):
+        from deepinfer.distributed.channels import Receiver, Sender
+
+        engine_type = "prompt" if role == PREFILL else "completion"
+        self.engine = LLMEngine(dataclasses.replace(config, engine_type=engine_type))
+        self.role, self.index, self.poll_ms = role, index, poll_ms
+        self.inbox, self.front = Receiver(), Sender(front_address)
+        self.peers: dict[str, Sender] = {}  # decode inboxes this prefill engine sent to
+        self.targets: dict[str, str] = {}   # key -> decode address (prefill)
+        self.waiting: deque = deque()       # handoffs waiting for blocks (decode)
+        self.stats = {"steps": 0, "handoffs": 0, "bytes_sent": 0, "imported": 0}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def address(self) -> str:
+        return self.inbox.address
+
+    def engine_config(self) -> EngineConfig:
+        """The config with the engine's defaults filled in (block size, lengths)."""
+        return self.engine.config
+
+    def serve(self) -> dict:
+        """Runs until ("stop",): messages in, engine steps, events out. Returns the engine's counters."""
+        while True:
+            busy = self.engine.has_unfinished() or bool(self.waiting)
+            for msg in self.inbox.recv(0 if busy else self.poll_ms):
+                if msg[0] == "stop":
+                    return self._final_stats()
+                self._handle(msg)
+            self._import_waiting()
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _final_stats(self) -> dict:
+        if self.engine.prefix_cache is not None:
+            self.stats["prefix_cache"] = self.engine.prefix_cache.store.stats()
+        return self.stats
+
+    def _handle(self, msg) -> None:
+        kind = msg[0]
+        if kind == "prefill":
+            _, key, prompt_ids, params, child, decode_address = msg
+            self.targets[key] = decode_address
+            self.engine.add_request(key, prompt_ids, params, child=child)
+        elif kind == "handoff":
+            self.waiting.append(msg[1])
+        elif kind == "abort":
+            self.engine.abort_request(msg[1])
+            self.targets.pop(msg[1], None)
+            self.waiting = deque(h for h in self.waiting if h.request_id != msg[1])
+
+    def _import_waiting(self) -> None:
+        """Admits waiting handoffs in arrival order while the pools have room."""
+        while self.waiting and self.engine.import_handoff(self.waiting[0]):
+            self._emit("imported", self.waiting.popleft().request_id, None)
+            self.stats["imported"] += 1
+
+    def _step(self) -> None:
+        finished, _ = self.engine.step()
+        self.stats["steps"] += 1
+        for h in self.engine.handoffs:
+            self._send_handoff(h)
+        self.engine.handoffs.clear()
+        for out in finished:
+            if out.outputs[0].finish_reason != "handoff":  # done in prefill (EOS, max_tokens=1) or decoded
+                self.targets.pop(out.request_id, None)
+                self._emit("finished", out.request_id, out.outputs[0])
+
+    def _send_handoff(self, h) -> None:
+        from deepinfer.distributed.channels import Sender
+
+        address = self.targets.pop(h.request_id)
+        if address not in self.peers:
+            self.peers[address] = Sender(address)
+        wire = self.peers[address].send(("handoff", h))
+        self.stats["handoffs"] += 1
+        self.stats["bytes_sent"] += wire
+        self._emit("prefilled", h.request_id, {"kv_bytes": h.kv_bytes, "wire_bytes": wire,
+                                               "replay_tokens": h.replay_tokens})
+
+    def _emit(self, event: str, key: str, payload) -> None:
+        self.front.send((self.role, self.index, event, key, payload))
+
+
+# ----------------------------------------------------------------------------------------------------
+# front
+
+
+@dataclass
+class Child:
+    """One of a request's params.n sequences, as the front tracks it across tries."""
+
+    request: "Pending"
+    index: int
+    seed: int
+    attempt: int = 0
+    key: str = ""
+    stage: str = PREFILL  # prefill -> transfer -> decode
+    prefill: int = -1
+    decode: int = -1
+    sent_at: float = 0.0
+    output: CompletionOutput | None = None
+
+
+@dataclass
+class Pending:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: object
+    metrics: RequestMetrics
+    children: list[Child] = field(default_factory=list)
+
+    @property
+    def kv_len(self) -> int:
+        """KV a child holds at its end (what the decode balancer evens out)."""
+        return len(self.prompt_token_ids) + (self.params.max_tokens or 0)
+
+
+class DisaggEngine:
+    """Prefill and decode engines behind LLMEngine's surface. Ray is started on 127.0.0.1 unless
+    ray_address names a cluster (or Ray is already initialised); engine processes end with this object."""
+
+    def __init__(self, config: EngineConfig, disaggregation: dict, ray_address: str | None = None):
+        from deepinfer.distributed.channels import Receiver
+        from deepinfer.models.loader import load_tokenizer
+
+        config.validate()
+        self.cfg = DisaggConfig.from_dict(disaggregation)
+        if config.speculative:
+            raise ValueError("LLM(speculative=...) is not supported with disaggregation yet: the MTP drafter "
+                             "needs the prefill's last hidden state, which no handoff carries")
+        if config.engine_type != "normal":
+            raise ValueError(f"LLM(engine_type={config.engine_type!r}) conflicts with disaggregation, which "
+                             "starts its own prompt and completion engines")
+        # Engines fill in their own defaults (the model decides the block size); the front adopts theirs.
+        self.config = dataclasses.replace(config, state_transfer=self.cfg.state_transfer)
+        self.hf_config = _hf_config(config.model)
+        self.vocab_size, self.tokenizer = self.hf_config.vocab_size, load_tokenizer(config.model)
+        self.spec, self.eplb, self._grammars = None, None, None  # read by LLM and validate_request
+        self.decode_balancer = DecodeBalancer(self.cfg.decode)
+        self.pending: dict[str, Pending] = {}
+        self.by_key: dict[str, Child] = {}
+        self.finished: list[RequestOutput] = []
+        self.stats = {"transfers": 0, "kv_bytes": 0, "wire_bytes": 0, "replayed": 0, "retries": 0}
+        self._start(ray_address, Receiver())
+
+    def _start(self, ray_address: str | None, receiver) -> None:
+        import ray
+
+        from deepinfer.distributed import ray_launch
+        from deepinfer.distributed.channels import Sender
+
+        owns_ray = ray_launch.ensure_ray(ray_address)
+        self.receiver = receiver
+        self.actors = {}
+        for role, n in ((PREFILL, self.cfg.prefill), (DECODE, self.cfg.decode)):
+            started = ray_launch.start_actors(
+                EngineWorker, n, lambda i: (self.config, role, i, receiver.address, self.cfg.poll_ms),
+                self.cfg.num_cpus_per_engine, self.cfg.num_gpus_per_engine)
+            self.actors.update({(role, i): a for i, a in enumerate(started)})
+        channels = [receiver]  # the senders join once the engines' addresses are known
+        self._finalizer = weakref.finalize(self, _shutdown, list(self.actors.values()), channels, owns_ray)
+        try:
+            names = list(self.actors)
+            addresses = ray.get([self.actors[n].address.remote() for n in names], timeout=self.cfg.start_timeout_s)
+        except Exception as exc:
+            self._finalizer()
+            raise RuntimeError(f"disaggregated engines failed to start: {_summary(exc)}") from exc
+        self.addresses = dict(zip(names, addresses))
+        self.config = ray.get(self.actors[names[0]].engine_config.remote())
+        self.prefill_balancer = PrefillBalancer(self.cfg.prefill, self.config.max_model_len)
+        # Where prefill engines send KV: tests point an entry at a proxy to cut a transfer.
+        self.decode_addresses = [self.addresses[(DECODE, i)] for i in range(self.cfg.decode)]
+        self.senders = {n: Sender(a) for n, a in self.addresses.items()}
+        channels.extend(self.senders.values())
+        self.serving = {n: self.actors[n].serve.remote() for n in names}
+        self.alive = {PREFILL: set(range(self.cfg.prefill)), DECODE: set(range(self.cfg.decode))}
+
+    # LLMEngine's checks need only config, vocab_size and tokenizer, which the front has.
+    validate_request = LLMEngine.validate_request
+    _validate_processors = LLMEngine._validate_processors
+    grammar_compiler = LLMEngine.grammar_compiler
+    eos_token_ids = LLMEngine.eos_token_ids
+    sequence_seed = LLMEngine.sequence_seed
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None) -> None:
+        if request_id in self.pending:
+            raise ValueError(f"request {request_id!r} is already running")
+        req = Pending(request_id, prompt, list(prompt_token_ids), params,
+                      RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids)))
+        req.children = [Child(req, i, self.sequence_seed(request_id, params, i)) for i in range(params.n)]
+        self.pending[request_id] = req
+        for child in req.children:
+            self._dispatch(child)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending or self.finished)
+
+    def step(self) -> tuple[list[RequestOutput], int]:
+        """Handles what the engines reported within poll_ms; returns the requests finished meanwhile (and 0:
+        tokens are counted by the engines)."""
+        for role, index, event, key, payload in self.receiver.recv(self.cfg.poll_ms):
+            child = self.by_key.get(key)
+            if child is not None:  # else a try given up on: ignored
+                getattr(self, f"_on_{event}")(child, payload)
+        self._check_engines()
+        self._check_transfers()
+        done, self.finished = self.finished, []
+        return done, 0
+
+    # ---- routing ----------------------------------------------------------------------------------------
+
+    def _dispatch(self, child: Child) -> None:
+        """Sends a child (again) to a prefill engine, naming its decode engine; ends it with an error after
+        max_attempts tries."""
+        req = child.request
+        self.by_key.pop(child.key, None)
+        if child.attempt >= self.cfg.max_attempts:
+            self._finish(child, CompletionOutput(child.index, "", [], None, None, "error",
+                                                 error=f"request {req.request_id!r}: gave up after "
+                                                       f"{child.attempt} tries (engines died or transfers timed out)"))
+            return
+        child.attempt += 1
+        child.key = f"{req.request_id}/{child.index}/{child.attempt}"
+        child.stage = PREFILL
+        child.prefill = self.prefill_balancer.pick(len(req.prompt_token_ids), self._alive(PREFILL))
+        child.decode = self.decode_balancer.pick(req.kv_len, self._alive(DECODE))
+        self.by_key[child.key] = child
+        self.senders[(PREFILL, child.prefill)].send(
+            ("prefill", child.key, req.prompt_token_ids, req.params, (child.index, child.seed),
+             self.decode_addresses[child.decode]))
+
+    def _alive(self, role: str) -> set[int]:
+        if not self.alive[role]:
+            raise RuntimeError(f"disaggregation: no {role} engine is left; {len(self.pending)} requests unfinished")
+        return self.alive[role]
+
+    def _retry(self, child: Child) -> None:
+        """Abandons a child's current try (its engines are told to drop it) and dispatches it again."""
+        self.stats["retries"] += 1
+        for role, i in ((PREFILL, child.prefill), (DECODE, child.decode)):
+            if i in self.alive[role]:
+                self.senders[(role, i)].send(("abort", child.key))
+        self._release(child)
+        self._dispatch(child)
+
+    def _release(self, child: Child) -> None:
+        if child.stage == PREFILL:
+            self.prefill_balancer.done(child.prefill, len(child.request.prompt_token_ids))
+        self.decode_balancer.release(child.decode, child.request.kv_len)
+
+    # ---- events -----------------------------------------------------------------------------------------
+
+    def _on_prefilled(self, child: Child, info: dict) -> None:
+        self.prefill_balancer.done(child.prefill, len(child.request.prompt_token_ids))
+        child.stage, child.sent_at = "transfer", time.monotonic()
+        metrics = child.request.metrics
+        metrics.first_token_time = metrics.first_token_time or child.sent_at
+        self.stats["transfers"] += 1
+        self.stats["kv_bytes"] += info["kv_bytes"]
+        self.stats["wire_bytes"] += info["wire_bytes"]
+        self.stats["replayed"] += info["replay_tokens"] > 0
+
+    def _on_imported(self, child: Child, _) -> None:
+        child.stage = DECODE
+
+    def _on_finished(self, child: Child, out: CompletionOutput) -> None:
+        self._release(child)
+        self.by_key.pop(child.key)
+        self._finish(child, out)
+
+    def _finish(self, child: Child, out: CompletionOutput) -> None:
+        child.output = out
+        req = child.request
+        if req.metrics.first_token_time is None and out.token_ids:
+            req.metrics.first_token_time = time.monotonic()
+        if all(c.output is not None for c in req.children):
+            del self.pending[req.request_id]
+            req.metrics.finished_time = time.monotonic()
+            req.metrics.num_generation_tokens = sum(len(c.output.token_ids) for c in req.children)
+            outputs = [c.output for c in req.children]
+            self.finished.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, True,
+                                               req.metrics))
+
+    # ---- faults -----------------------------------------------------------------------------------------
+
+    def _check_engines(self) -> None:
+        """An engine whose serve() returned or raised is dead: its unfinished children go again."""
+        import ray
+
+        refs = {ref: name for name, ref in self.serving.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            role, i = refs[ref]
+            del self.serving[(role, i)]
+            self.alive[role].discard(i)
+            logger.warning("disaggregation: %s engine %d died: %s", role, i, _outcome(ref))
+            lost = [c for c in self.by_key.values()
+                    if (role == PREFILL and c.prefill == i and c.stage == PREFILL) or (role == DECODE and c.decode == i)]
+            self._alive(role)
+            for child in lost:
+                self._retry(child)
+
+    def _check_transfers(self) -> None:
+        now = time.monotonic()
+        late = [c for c in self.by_key.values()
+                if c.stage == "transfer" and now - c.sent_at > self.cfg.transfer_timeout_s]
+        for child in late:
+            logger.warning("disaggregation: %s was not imported within %.0f s; prefilling it again", child.key,
+                           self.cfg.transfer_timeout_s)
+            self._retry(child)
+
+    def abort_all(self) -> None:
+        """After an exception in generate: every running child is aborted on its engines."""
+        for child in list(self.by_key.values()):
+            for role, i in ((PREFILL, child.prefill), (DECODE, child.decode)):
+                if i in self.alive[role]:
+                    self.senders[(role, i)].send(("abort", child.key))
+            self._release(child)
+        self.by_key.clear()
+        self.pending.clear()
+        self.finished.clear()
+
+    def shutdown(self) -> dict:
+        """Stops every live engine, then ends the processes (and Ray, when this engine started it). Returns
+        each stopped engine's counters by (role, index): steps, handoffs, bytes_sent, imported."""
+        import ray
+
+        for name in self.serving:
+            self.senders[name].send(("stop",))
+        try:
+            stats = dict(zip(self.serving, ray.get(list(self.serving.values()), timeout=30)))
+        except Exception as exc:  # a stuck or dead engine: killed below all the same
+            logger.warning("disaggregation: engines did not stop cleanly: %s", _summary(exc))
+            stats = {}
+        self.serving.clear()
+        self._finalizer()
+        return stats
+
+
+def _shutdown(actors: list, channels: list, owns_ray: bool) -> None:
+    from deepinfer.distributed import ray_launch
+
+    ray_launch.kill_actors(actors)
+    for channel in channels:
+        channel.close()
+    if owns_ray:
+        ray_launch.shutdown_ray()
+
+
+def _outcome(ref) -> str:
+    import ray
+
+    try:
+        return f"returned {ray.get(ref)}"
+    except Exception as exc:
+        return _summary(exc)
+
