@@ -180,6 +180,20 @@ def test_list_prints_rounds_in_alternating_order(tmp_path, monkeypatch, capsys):
     assert sweep.main(["list", cfg]) == 2  # OUTDIR is required: the not-measured list goes there
 
 
+def test_disaggregation_axis_makes_deepinfer_variants_only(tmp_path, monkeypatch, capsys):
+    cfg = json.loads(_two_engine_config(tmp_path, monkeypatch, rounds=1) and (tmp_path / "cfg.json").read_text())
+    cfg["disaggregation"] = [None, {"prefill": 1, "decode": 2}]
+    path = tmp_path / "axis.json"
+    path.write_text(json.dumps(cfg))
+    pts = sweep.points(sweep.load(str(path)), report=lambda *_: None)
+    assert sorted(pts) == sorted(["a-dp1-b1", "a-1p2d-dp1-b1", "b-dp1-b1", "a-dp1-b16", "a-1p2d-dp1-b16",
+                                  "b-dp1-b16"])
+    argv = pts["a-1p2d-dp1-b16"]
+    options = json.loads(argv[argv.index("--options") + 1])
+    assert options["disaggregation"] == {"prefill": 1, "decode": 2} and argv[argv.index("--name") + 1] == "a-1p2d"
+    assert "disaggregation" not in json.loads(pts["a-dp1-b16"][pts["a-dp1-b16"].index("--options") + 1])
+
+
 def _round_point(points_dir, name, batch, rnd, ms, accepted=None):
     p = {**_point(name, batch, 1000 / ms, accepted=accepted), "decode_step_ms": ms, "round": rnd,
          "machine": {"load_avg": rnd}}

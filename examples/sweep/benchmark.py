@@ -24,7 +24,7 @@ from examples.sweep.roofline import machine, rates_for
 
 ENGINE_OPTIONS = {
     "deepinfer": {"dtype", "kv_cache_dtype", "block_size", "num_threads", "kv_cache_memory",
-                  "max_num_batched_tokens", "seed", "speculative", "enable_eplb", "dp_config"},
+                  "max_num_batched_tokens", "seed", "speculative", "enable_eplb", "dp_config", "disaggregation"},
     "transformers": {"dtype", "num_threads", "experts_implementation", "timing"},
     "vllm": {"dtype", "num_threads"},
     "llamacpp": {"outtype", "num_threads"},
@@ -74,8 +74,8 @@ def floor_entry(p, opts: dict, roofline: dict | None) -> dict | None:
         why = "no roofline file"
     elif s is None:
         why = "architecture not modelled in model_cost.py"
-    elif p.dp > 1 or "speculative" in opts:
-        why = "floor modelled for one rank without drafts only"
+    elif p.dp > 1 or "speculative" in opts or opts.get("disaggregation"):
+        why = "floor modelled for one engine process without drafts only"
     if why:
         print(f"benchmark: no floor for this point ({why})", file=sys.stderr)
         return None

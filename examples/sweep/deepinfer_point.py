@@ -150,7 +150,7 @@ def run_prefill(engine, tokens: int, context: int) -> dict:
 
 
 def run_generate_diff(llm: LLM, p) -> dict:
-    """Engines without per-step access (the DP front): decode s/step = (t(n) - t(1)) / (n - 1)."""
+    """Engines without per-step access (the DP and disaggregation fronts): decode s/step = (t(n) - t(1)) / (n - 1)."""
     ids = prompts(p.batch, p.context, load_config(p.model_dir)["vocab_size"], p.batch)
     llm.generate([ids[0][:8]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     n, times, outs = p.warmup + p.steps + 1, {}, None
@@ -174,7 +174,7 @@ def measure(p, opts: dict) -> dict:
     p.new_tokens = new_tokens(p, opts)
     llm = make_llm(p, opts)
     try:
-        if p.dp > 1:
+        if p.dp > 1 or opts.get("disaggregation"):
             return run_generate_diff(llm, p)
         engine = llm.engine
         check_capacity(engine, p)

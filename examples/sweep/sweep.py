@@ -17,9 +17,9 @@ import sys
 from examples.peers import paths
 from examples.sweep import benchmark
 
-TOP_KEYS = {"model", "context", "warmup", "steps", "batches", "parallel", "prefill_tokens", "rounds",
-            "configurations", "comment"}
-CONFIG_KEYS = {"engine", "options", "batches", "parallel", "comment"}
+TOP_KEYS = {"model", "context", "warmup", "steps", "batches", "parallel", "disaggregation", "prefill_tokens",
+            "rounds", "configurations", "comment"}
+CONFIG_KEYS = {"engine", "options", "batches", "parallel", "disaggregation", "comment"}
 PEER_FILES = {"vllm": paths.VLLM_PYTHON, "llamacpp": paths.LLAMA_BENCH}
 LLAMA_STAMP = paths.LLAMA_STAMP
 
@@ -75,18 +75,35 @@ def argv_for(cfg: dict, name: str, conf: dict, dp: int, batch: int) -> list[str]
 def points(cfg: dict, report=print) -> dict[str, list[str]]:
     """{point name: benchmark argv without --out} for every runnable configuration, ordered by
     (parallel size, batch, configuration): the engines of one batch run back to back, so their ratio
-    sees the same machine load. report(name, why) hears of each configuration left out."""
+    sees the same machine load. report(name, why) hears of each configuration left out. The disaggregation
+    axis (null, or {"prefill": n_p, "decode": n_d, ...}) gives each deepinfer configuration one variant per
+    value, named NAME-<n_p>p<n_d>d; peers have no such mode and run once."""
     out = {}
-    for name, conf in cfg["configurations"].items():
-        why = problem(name, conf)
+    for base, conf in cfg["configurations"].items():
+        why = problem(base, conf)
         if why:
-            report(name, why)
+            report(base, why)
             continue
-        for dp in conf.get("parallel", cfg.get("parallel", [1])):
-            for batch in conf.get("batches", cfg.get("batches", [1])):
-                key = f"{name}-dp{dp}-b{batch}".replace(" ", "_").replace("/", "_")
-                out[key] = (dp, batch, argv_for(cfg, name, conf, dp, batch))
+        for name, conf in _disaggregation_variants(cfg, base, conf):
+            for dp in conf.get("parallel", cfg.get("parallel", [1])):
+                for batch in conf.get("batches", cfg.get("batches", [1])):
+                    key = f"{name}-dp{dp}-b{batch}".replace(" ", "_").replace("/", "_")
+                    out[key] = (dp, batch, argv_for(cfg, name, conf, dp, batch))
     return {k: v[2] for k, v in sorted(out.items(), key=lambda kv: kv[1][:2])}
+
+
+def _disaggregation_variants(cfg: dict, name: str, conf: dict) -> list[tuple[str, dict]]:
+    axis = conf.get("disaggregation", cfg.get("disaggregation", [None]))
+    if conf.get("engine", "deepinfer") != "deepinfer":
+        return [(name, conf)]
+    variants = []
+    for d in axis:
+        if d is None:
+            variants.append((name, conf))
+        else:
+            options = {**conf.get("options", {}), "disaggregation": d}
+            variants.append((f"{name}-{d.get('prefill', 1)}p{d.get('decode', 1)}d", {**conf, "options": options}))
+    return variants
 
 
 def schedule(cfg: dict, names: list[str]) -> list[tuple[int, str]]:
