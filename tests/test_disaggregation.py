@@ -91,7 +91,8 @@ def test_auto_state_transfer_picks_fewer_bytes(v4):
     plan = engine.state_transfer
     for n in (19, 150, 1000):
         r = engine.model.replay_exact_tokens(n)
-        assert plan.replay_tokens(n) == (r if 4 * r < plan.spec.bytes_per_state_block else 0)
+        assert plan.replay_tokens(n) == (r if 4 * r < plan.spec.bytes_per_state_block and r < n else 0)
+    assert plan.replay_tokens(19) == 0 and 0 < plan.replay_tokens(150) < 150  # whole-prompt replay: state sent
     assert LLM(path, engine_type="prompt", state_transfer="state", **V4).engine.state_transfer.replay_tokens(150) == 0
 
 
@@ -244,11 +245,11 @@ def test_disaggregated_v4_matches_normal(v4, ray_local, tmp_path, kv_cache_dtype
         assert prefix["hits"] == sum((len(p) - 1) // bs for p in prompts) > 0
 
 
-def drive(engine, prompts, params, until=None):
-    """Runs the engine API by hand (what LLM.generate does), calling until(engine) between steps once; returns
-    outputs by request id."""
+def drive(engine, prompts, params, until=None, prefix=""):
+    """Runs the engine API by hand (what LLM.generate does), calling until(engine) between steps until it
+    returns True; returns outputs by request id (prefix + index)."""
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(f"{prefix}{i}", p, params)
     done, fired = {}, until is None
     deadline = time.monotonic() + 240
     while engine.has_unfinished():
@@ -371,3 +372,32 @@ def test_example_runs_and_reports_identity_and_plan_bytes():
     assert "the second engine's tokens equal the first's: True" in out
     loaded = int(out.split("prefix store, second engine: ")[1].split(" blocks loaded")[0])
     assert loaded > 0
+
+
+def test_dp_group_engines_match_normal_and_a_dead_rank_takes_its_group_down(tiny_qwen3_moe, ray_local):
+    """Prefill and decode engines that are DP groups of 2 ranks each (expert-parallel MoE across the ranks,
+    one voted step type per step): the same tokens as NORMAL; killing one rank of a decode group ends the
+    group and its requests finish on the other group."""
+    prompts = qwen_prompts(8, seed=12)
+    mixed, plain = [greedy(30), seeded(30)] * 4, greedy(30)
+    normal = LLM(tiny_qwen3_moe, **QWEN)
+    want_mixed = tokens(normal.generate(prompts, mixed, use_tqdm=False))
+    want_plain = tokens(normal.generate(prompts, plain, use_tqdm=False))
+    llm = disagg(tiny_qwen3_moe, prefill=1, decode=2, disagg={"prefill_dp": 2, "decode_dp": 2,
+                                                              "num_cpus_per_engine": 0.25}, **QWEN)
+    engine = llm.engine
+    assert len(engine.actors) == 6 and engine.num_ranks == {"prefill": 2, "decode": 4}
+    try:
+        assert tokens(llm.generate(prompts, mixed, use_tqdm=False)) == want_mixed
+
+        def kill_rank_1(e):  # rank 1 of decode group 0 (ranks 0 and 1)
+            if not any(c.decode in (0, 1) and c.stage == "decode" for c in e.by_key.values()):
+                return False
+            ray_local.kill(e.actors[("decode", 1)], no_restart=True)
+            return True
+
+        done = drive(engine, prompts, plain, kill_rank_1, prefix="r")
+        assert [done[f"r{i}"] for i in range(len(prompts))] == want_plain
+        assert engine.alive["decode"] == {2, 3} and engine.stats["retries"] >= 1
+    finally:
+        engine.shutdown()

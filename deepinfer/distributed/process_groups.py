@@ -31,11 +31,12 @@ class DPGroup:
         self.ep_group = dist.group.WORLD
         self.vote_group = dist.new_group(backend="gloo") if device.startswith("cuda") else dist.group.WORLD
 
-    def vote(self, has_prefill: bool, has_decode: bool) -> tuple[int, int]:
-        """All-reduces this rank's work -> (ranks with prefill work, ranks with decode work)."""
-        t = torch.tensor([int(has_prefill), int(has_decode)], dtype=torch.int64)
+    def vote(self, has_prefill: bool, has_decode: bool, *flags: bool) -> tuple[int, ...]:
+        """All-reduces this rank's work -> (ranks with prefill work, ranks with decode work, then the count
+        of ranks raising each extra flag: a disaggregated engine's ranks agree on stopping this way)."""
+        t = torch.tensor([int(has_prefill), int(has_decode), *map(int, flags)], dtype=torch.int64)
         dist.all_reduce(t, group=self.vote_group)
-        return int(t[0]), int(t[1])
+        return tuple(int(x) for x in t)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks of a CPU tensor (expert load for EPLB)."""

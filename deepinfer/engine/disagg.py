@@ -5,11 +5,13 @@ The front (`DisaggEngine`, in the caller's process) splits each request into its
 sends each child to a prefill engine (`PrefillBalancer`: context tier, then queued prompt tokens), naming
 the decode engine that will finish it (`DecodeBalancer`: running requests and total KV length), so the KV
 goes prefill -> decode directly over pyzmq (zero-copy frames, engine/kv_transfer.py) and never through the
-front. Engines report to the front on one channel: "prefilled" (first token drawn, KV sent), "imported",
-"finished". Ray only places and supervises the processes.
+front. Engines report to the front on one channel: "prefilled" (first token drawn, KV sent), "received"
+(the handoff reached the decode engine), "imported", "finished". Ray only places and supervises the processes. With prefill_dp / decode_dp = k > 1 each engine
+is a DP group of k rank processes (DP attention, expert-parallel MoE, one voted step type per step, as in
+engine/dp.py); the balancers then see ranks, since each rank holds its own requests, KV and queue.
 
-Faults: an engine that dies is noticed from its serve() call; its unfinished children are prefilled again
-on survivors (a decode engine's KV is gone with it). A handoff not imported within transfer_timeout_s (a
+Faults: an engine that dies is noticed from its serve() call (a DP group dies whole: its other ranks are
+ended too); its unfinished children are prefilled again on survivors (a decode engine's KV is gone with it). A handoff not received within transfer_timeout_s (a
 connection cut mid-transfer loses the message) is prefilled again. Every try has its own key, so a late
 message of an abandoned try is ignored (and the engine holding it is told to abort it): each output is
 returned once. With no prefill or decode engine left, step() raises."""
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, dataclass_from_dict
 from deepinfer.engine.balancers import DecodeBalancer, PrefillBalancer
-from deepinfer.engine.dp import _hf_config, _summary
+from deepinfer.engine.dp import DPConfig, _hf_config, _summary
 from deepinfer.engine.kv_transfer import STATE_TRANSFER_MODES
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -39,10 +41,13 @@ class DisaggConfig:
 
     prefill: int = 1                    # PROMPT engines
     decode: int = 1                     # COMPLETION engines
+    prefill_dp: int = 1                 # ranks per prefill engine: > 1 makes each a DP group (EP MoE, engine/dp.py)
+    decode_dp: int = 1                  # ranks per decode engine
+    dp_config: dict | None = None       # a DP group's DPConfig keys (vote intervals, collective timeout)
     state_transfer: str = "auto"        # a handoff's StateBlock: "state", "replay" or whichever moves fewer bytes
     num_cpus_per_engine: float = 0.5    # Ray resources; fractional so engines share a small machine
     num_gpus_per_engine: float = 0.0
-    transfer_timeout_s: float = 30.0    # prefilled but not imported by then: prefill again
+    transfer_timeout_s: float = 30.0    # prefilled but not received by the decode engine by then: prefill again
     max_attempts: int = 3               # tries per request child before it ends with finish_reason "error"
     start_timeout_s: float = 300.0
     poll_ms: int = 20                   # how long one front step() or idle engine waits for messages
@@ -50,14 +55,18 @@ class DisaggConfig:
     @classmethod
     def from_dict(cls, d: dict | None) -> "DisaggConfig":
         cfg = dataclass_from_dict(cls, d, "disaggregation")
-        for name in ("prefill", "decode", "max_attempts", "poll_ms"):
+        for name in ("prefill", "decode", "prefill_dp", "decode_dp", "max_attempts", "poll_ms"):
             value = getattr(cfg, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"LLM(disaggregation={{{name!r}: {value!r}}}) must be a positive integer")
         if cfg.state_transfer not in STATE_TRANSFER_MODES:
             raise ValueError(f"LLM(disaggregation={{'state_transfer': {cfg.state_transfer!r}}}) must be one of "
                              f"{STATE_TRANSFER_MODES}")
+        DPConfig.from_dict(cfg.dp_config)  # refuses unknown keys now, not in the engine processes
         return cfg
+
+    def group_size(self, role: str) -> int:
+        return self.prefill_dp if role == PREFILL else self.decode_dp
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -65,21 +74,33 @@ class DisaggConfig:
 
 
 class EngineWorker:
-    """One PROMPT or COMPLETION engine in its own process, fed through its inbox.
+    """One PROMPT or COMPLETION engine in its own process, fed through its inbox; or one rank of such an
+    engine when it is a DP group (group = (rank, world_size, port, DPConfig)): then the ranks vote on every
+    step as DP ranks do (engine/dp.py), a rank without work of the voted type runs a dummy step, and they
+    agree through the vote on when to stop.
 
     Inbox messages: ("prefill", key, prompt_ids, params, (index, seed), decode_address), ("handoff", Handoff),
     ("abort", key), ("stop",). To the front: (role, index, event, key, payload)."""
 
-    def __init__(self, config: EngineConfig, role: str, index: int, front_address: str, poll_ms: int):
+    def __init__(self, config: EngineConfig, role: str, index: int, front_address: str, poll_ms: int,
+                 group: tuple | None = None):
         from deepinfer.distributed.channels import Receiver, Sender
 
-        engine_type = "prompt" if role == PREFILL else "completion"
-        self.engine = LLMEngine(dataclasses.replace(config, engine_type=engine_type))
+        config = dataclasses.replace(config, engine_type="prompt" if role == PREFILL else "completion")
+        if group is None:
+            self.rank, self.engine = None, LLMEngine(config)
+        else:
+            from deepinfer.engine.dp import DPRankWorker, RankStats
+
+            rank, world_size, port, dp = group
+            self.rank, self.rank_stats = DPRankWorker(config, rank, world_size, port, None, dp), RankStats()
+            self.engine = self.rank.engine
         self.role, self.index, self.poll_ms = role, index, poll_ms
         self.inbox, self.front = Receiver(), Sender(front_address)
         self.peers: dict[str, Sender] = {}  # decode inboxes this prefill engine sent to
         self.targets: dict[str, str] = {}   # key -> decode address (prefill)
         self.waiting: deque = deque()       # handoffs waiting for blocks (decode)
+        self.group_busy = False             # the group's last vote saw work (DP group only)
         self.stats = {"steps": 0, "handoffs": 0, "bytes_sent": 0, "imported": 0}
 
     def pid(self) -> int:
@@ -94,15 +115,34 @@ class EngineWorker:
 
     def serve(self) -> dict:
         """Runs until ("stop",): messages in, engine steps, events out. Returns the engine's counters."""
+        stopping = False
         while True:
-            busy = self.engine.has_unfinished() or bool(self.waiting)
+            busy = self.engine.has_unfinished() or bool(self.waiting) or self.group_busy
             for msg in self.inbox.recv(0 if busy else self.poll_ms):
-                if msg[0] == "stop":
-                    return self._final_stats()
-                self._handle(msg)
+                stopping = stopping or msg[0] == "stop"
+                if msg[0] != "stop":
+                    self._handle(msg)
             self._import_waiting()
-            if self.engine.has_unfinished():
-                self._step()
+            if self.rank is not None:
+                if self._group_step(stopping):
+                    return self._final_stats()
+            elif stopping:
+                return self._final_stats()
+            elif self.engine.has_unfinished():
+                self._publish(self.engine.step()[0])
+
+    def _group_step(self, stopping: bool) -> bool:
+        """One vote of the DP group, then the voted step (or a dummy one). True when the group stops."""
+        r = self.rank
+        has_prefill, has_decode = r.has_prefill(), r.sched.num_running > 0
+        num_prefill, num_decode, num_stopping = r.group.vote(has_prefill, has_decode, stopping)
+        if num_stopping:
+            return True
+        kind = r.vote.decide(num_prefill, num_decode, r.world_size)
+        self.group_busy = kind is not None
+        if kind is not None:
+            self._publish(r.step(kind, has_prefill, has_decode, self.rank_stats))
+        return False
 
     def _final_stats(self) -> dict:
         if self.engine.prefix_cache is not None:
@@ -114,13 +154,20 @@ class EngineWorker:
         if kind == "prefill":
             _, key, prompt_ids, params, child, decode_address = msg
             self.targets[key] = decode_address
-            self.engine.add_request(key, prompt_ids, params, child=child)
-        elif kind == "handoff":
+            if self.rank is None:
+                self.engine.add_request(key, prompt_ids, params, None, child)
+            else:  # a DP rank admits it on a PREFILL step the group voted for
+                self.rank.pending.append((key, prompt_ids, params, None, child))
+        elif kind == "handoff":  # acknowledged now: an import may wait for free blocks, not for a retry
             self.waiting.append(msg[1])
+            self._emit("received", msg[1].request_id, None)
         elif kind == "abort":
-            self.engine.abort_request(msg[1])
-            self.targets.pop(msg[1], None)
-            self.waiting = deque(h for h in self.waiting if h.request_id != msg[1])
+            key = msg[1]
+            self.engine.abort_request(key)
+            self.targets.pop(key, None)
+            self.waiting = deque(h for h in self.waiting if h.request_id != key)
+            if self.rank is not None:
+                self.rank.pending = deque(r for r in self.rank.pending if r[0] != key)
 
     def _import_waiting(self) -> None:
         """Admits waiting handoffs in arrival order while the pools have room."""
@@ -128,14 +175,15 @@ class EngineWorker:
             self._emit("imported", self.waiting.popleft().request_id, None)
             self.stats["imported"] += 1
 
-    def _step(self) -> None:
-        finished, _ = self.engine.step()
+    def _publish(self, finished: list) -> None:
+        """After a step: sends the handoffs it made to their decode engines, and reports the requests that
+        ended here (a decoded one, or one done at its prefill: EOS or max_tokens=1)."""
         self.stats["steps"] += 1
         for h in self.engine.handoffs:
             self._send_handoff(h)
         self.engine.handoffs.clear()
         for out in finished:
-            if out.outputs[0].finish_reason != "handoff":  # done in prefill (EOS, max_tokens=1) or decoded
+            if out.outputs[0].finish_reason != "handoff":
                 self.targets.pop(out.request_id, None)
                 self._emit("finished", out.request_id, out.outputs[0])
 
@@ -168,7 +216,7 @@ class Child:
     seed: int
     attempt: int = 0
     key: str = ""
-    stage: str = PREFILL  # prefill -> transfer -> decode
+    stage: str = PREFILL  # prefill -> transfer -> received -> decode
     prefill: int = -1
     decode: int = -1
     sent_at: float = 0.0
@@ -211,7 +259,9 @@ class DisaggEngine:
         self.hf_config = _hf_config(config.model)
         self.vocab_size, self.tokenizer = self.hf_config.vocab_size, load_tokenizer(config.model)
         self.spec, self.eplb, self._grammars = None, None, None  # read by LLM and validate_request
-        self.decode_balancer = DecodeBalancer(self.cfg.decode)
+        # Each rank of a DP-group engine has its own requests, KV and queue: the balancers see ranks.
+        self.num_ranks = {PREFILL: self.cfg.prefill * self.cfg.prefill_dp, DECODE: self.cfg.decode * self.cfg.decode_dp}
+        self.decode_balancer = DecodeBalancer(self.num_ranks[DECODE])
         self.pending: dict[str, Pending] = {}
         self.by_key: dict[str, Child] = {}
         self.finished: list[RequestOutput] = []
@@ -227,10 +277,9 @@ class DisaggEngine:
         owns_ray = ray_launch.ensure_ray(ray_address)
         self.receiver = receiver
         self.actors = {}
-        for role, n in ((PREFILL, self.cfg.prefill), (DECODE, self.cfg.decode)):
-            started = ray_launch.start_actors(
-                EngineWorker, n, lambda i: (self.config, role, i, receiver.address, self.cfg.poll_ms),
-                self.cfg.num_cpus_per_engine, self.cfg.num_gpus_per_engine)
+        for role in (PREFILL, DECODE):
+            started = ray_launch.start_actors(EngineWorker, self.num_ranks[role], self._worker_args(role, receiver),
+                                              self.cfg.num_cpus_per_engine, self.cfg.num_gpus_per_engine)
             self.actors.update({(role, i): a for i, a in enumerate(started)})
         channels = [receiver]  # the senders join once the engines' addresses are known
         self._finalizer = weakref.finalize(self, _shutdown, list(self.actors.values()), channels, owns_ray)
@@ -242,13 +291,27 @@ class DisaggEngine:
             raise RuntimeError(f"disaggregated engines failed to start: {_summary(exc)}") from exc
         self.addresses = dict(zip(names, addresses))
         self.config = ray.get(self.actors[names[0]].engine_config.remote())
-        self.prefill_balancer = PrefillBalancer(self.cfg.prefill, self.config.max_model_len)
+        self.prefill_balancer = PrefillBalancer(self.num_ranks[PREFILL], self.config.max_model_len)
         # Where prefill engines send KV: tests point an entry at a proxy to cut a transfer.
-        self.decode_addresses = [self.addresses[(DECODE, i)] for i in range(self.cfg.decode)]
+        self.decode_addresses = [self.addresses[(DECODE, i)] for i in range(self.num_ranks[DECODE])]
         self.senders = {n: Sender(a) for n, a in self.addresses.items()}
         channels.extend(self.senders.values())
         self.serving = {n: self.actors[n].serve.remote() for n in names}
-        self.alive = {PREFILL: set(range(self.cfg.prefill)), DECODE: set(range(self.cfg.decode))}
+        self.alive = {role: set(range(n)) for role, n in self.num_ranks.items()}
+
+    def _worker_args(self, role: str, receiver):
+        """rank index -> EngineWorker arguments; ranks of one DP group share a process-group port."""
+        from deepinfer.distributed.process_groups import free_port
+
+        k = self.cfg.group_size(role)
+        ports = [free_port() for _ in range(self.num_ranks[role] // k)]
+        dp = DPConfig.from_dict(self.cfg.dp_config)
+
+        def args(i: int) -> tuple:
+            group, rank = divmod(i, k)
+            return (self.config, role, i, receiver.address, self.cfg.poll_ms,
+                    (rank, k, ports[group], dp) if k > 1 else None)
+        return args
 
     # LLMEngine's checks need only config, vocab_size and tokenizer, which the front has.
     validate_request = LLMEngine.validate_request
@@ -335,6 +398,9 @@ class DisaggEngine:
         self.stats["wire_bytes"] += info["wire_bytes"]
         self.stats["replayed"] += info["replay_tokens"] > 0
 
+    def _on_received(self, child: Child, _) -> None:
+        child.stage = "received"  # on the decode engine, waiting for blocks: no longer a transfer to time out
+
     def _on_imported(self, child: Child, _) -> None:
         child.stage = DECODE
 
@@ -359,18 +425,26 @@ class DisaggEngine:
     # ---- faults -----------------------------------------------------------------------------------------
 
     def _check_engines(self) -> None:
-        """An engine whose serve() returned or raised is dead: its unfinished children go again."""
+        """An engine whose serve() returned or raised is dead, and with it every rank of its DP group (the
+        others would wait in a collective): the group's unfinished children go again."""
         import ray
 
         refs = {ref: name for name, ref in self.serving.items()}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in ready:
             role, i = refs[ref]
-            del self.serving[(role, i)]
-            self.alive[role].discard(i)
-            logger.warning("disaggregation: %s engine %d died: %s", role, i, _outcome(ref))
+            if (role, i) not in self.serving:
+                continue  # its group was already taken down
+            logger.warning("disaggregation: %s engine rank %d died: %s", role, i, _outcome(ref))
+            k = self.cfg.group_size(role)
+            group = range(i // k * k, i // k * k + k)
+            for rank in group:
+                if self.serving.pop((role, rank), None) is not None and rank != i:
+                    ray.kill(self.actors[(role, rank)], no_restart=True)
+                self.alive[role].discard(rank)
             lost = [c for c in self.by_key.values()
-                    if (role == PREFILL and c.prefill == i and c.stage == PREFILL) or (role == DECODE and c.decode == i)]
+                    if (role == PREFILL and c.prefill in group and c.stage == PREFILL)
+                    or (role == DECODE and c.decode in group)]
             self._alive(role)
             for child in lost:
                 self._retry(child)
@@ -380,7 +454,7 @@ class DisaggEngine:
         late = [c for c in self.by_key.values()
                 if c.stage == "transfer" and now - c.sent_at > self.cfg.transfer_timeout_s]
         for child in late:
-            logger.warning("disaggregation: %s was not imported within %.0f s; prefilling it again", child.key,
+            logger.warning("disaggregation: %s did not reach its decode engine within %.0f s; prefilling it again", child.key,
                            self.cfg.transfer_timeout_s)
             self._retry(child)
 

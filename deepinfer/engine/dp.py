@@ -128,9 +128,10 @@ class RankStats:
 
 
 class DPRankWorker:
-    """One DP rank (the body of a Ray actor). Requests are (request_id, prompt_token_ids, params, prompt)."""
+    """One DP rank (the body of a Ray actor, or of a disaggregated engine's rank: engine/disagg.py). Requests
+    are LLMEngine.add_request's positional arguments (request_id, prompt_token_ids, params, prompt[, child])."""
 
-    def __init__(self, config: EngineConfig, rank: int, world_size: int, port: int, out_address: str,
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, port: int, out_address: str | None,
                  dp: DPConfig):
         from deepinfer.distributed.channels import Sender
         from deepinfer.distributed.process_groups import DPGroup
@@ -144,7 +145,7 @@ class DPRankWorker:
         self.ep_layers, self.ep_stats = self._shard_experts()
         self.moe_blocks = balanced_moe_blocks(self.engine.model)
         self.vote = StepVote(dp.prefill_attempt_interval, dp.prefill_any_attempt_interval)
-        self.out = Sender(out_address)
+        self.out = Sender(out_address) if out_address else None  # None: the caller publishes outputs
         self.pending: deque = deque()
         # Group-wide EPLB: every rank counts the same steps, so all replan at the same step.
         self.eplb_enabled = config.enable_eplb and bool(self.moe_blocks)
@@ -187,22 +188,25 @@ class DPRankWorker:
         stats, start = RankStats(), time.perf_counter()
         self.ep_stats.reset()
         while True:
-            has_prefill, has_decode = self._has_prefill(), self.sched.num_running > 0
+            has_prefill, has_decode = self.has_prefill(), self.sched.num_running > 0
             t = time.perf_counter()
             num_prefill, num_decode = self.group.vote(has_prefill, has_decode)
             stats.vote_s += time.perf_counter() - t
             kind = self.vote.decide(num_prefill, num_decode, self.world_size)
             if kind is None:
                 break
-            self._step(kind, has_prefill, has_decode, stats)
+            finished = self.step(kind, has_prefill, has_decode, stats)
+            if finished:
+                self.out.send((self.rank, finished))
         stats.a2a_s, stats.a2a_bytes = self.ep_stats.a2a_s, self.ep_stats.bytes_sent
         stats.wall_s = time.perf_counter() - start
         logger.info("session done: %d steps (%d prefill, %d decode, %d dummy, %d mismatched)", stats.steps,
                     stats.prefill_steps, stats.decode_steps, stats.dummy_steps, stats.mismatched)
         return dataclasses.asdict(stats)
 
-    def _step(self, kind, has_prefill: bool, has_decode: bool, stats: RankStats) -> None:
-        """Runs the voted step type, or a dummy step when this rank has none of it."""
+    def step(self, kind, has_prefill: bool, has_decode: bool, stats: RankStats) -> list:
+        """Runs the voted step type, or a dummy step when this rank has none of it. Returns the requests
+        that finished."""
         t, a2a = time.perf_counter(), self.ep_stats.a2a_s
         finished, num_tokens = [], 0
         if (kind == PREFILL and has_prefill) or (kind == DECODE and has_decode):
@@ -221,11 +225,10 @@ class DPRankWorker:
         stats.steps += 1
         stats.tokens += num_tokens
         stats.forward_s += (time.perf_counter() - t) - (self.ep_stats.a2a_s - a2a)
-        if finished:
-            self.out.send((self.rank, finished))
         self.group_steps += 1
         if self.eplb_enabled and self.group_steps % self.engine.eplb.config.step_interval == 0:
             self._replan()
+        return finished
 
     def _replan(self) -> None:
         """Plans on the group's load (all-reduced window) and moves expert weights across ranks."""
@@ -266,8 +269,8 @@ class DPRankWorker:
 
     def _fits(self, request, budget: list) -> bool:
         """Whether the C++ prefill would admit all of request's sequences now; updates budget."""
-        _, ids, params, _ = request
-        c, n = self.engine.config, params.n
+        ids, params = request[1], request[2]
+        c, n = self.engine.config, 1 if len(request) > 4 else params.n  # a child is one sequence
         blocks = n * -(-len(ids) // c.block_size)
         running, slots, free_blocks, tokens = budget
         over_budget = tokens + n * len(ids) > c.max_num_batched_tokens and not self.engine.chunked_prefill
@@ -276,7 +279,7 @@ class DPRankWorker:
         budget[:] = [running + n, slots - n, free_blocks - blocks, tokens + n * len(ids)]
         return True
 
-    def _has_prefill(self) -> bool:
+    def has_prefill(self) -> bool:
         if self.sched.num_waiting or self.sched.can_prefill():  # the latter: a chunked prefill under way
             return True
         if not self.pending:
@@ -304,7 +307,8 @@ class DPRankWorker:
         return r.window, r.steps
 
     def close(self) -> None:
-        self.out.close()
+        if self.out is not None:
+            self.out.close()
         self.group.destroy()
 
 

@@ -5,7 +5,7 @@ pool: the paged blocks exactly as stored (FP4/FP8 bytes and scales, never dequan
 Bytes per handoff = blocks_for(context) x bytes_per_block + (bytes_per_state_block, or nothing when the
 receiver replays). Replay moves the replayed token ids instead (4 B each, and they travel anyway with the
 sequence), so it moves fewer bytes whenever the StateBlock outweighs them; it costs the receiver a prefill
-of those tokens. Replay here is exact (it covers every layer's window, see replay_exact_tokens), so both
+of those tokens, which is why "auto" replays only when the span is shorter than the context. Replay here is exact (it covers every layer's window, see replay_exact_tokens), so both
 ways give the same tokens."""
 from dataclasses import dataclass, field
 
@@ -49,11 +49,14 @@ class StateTransfer:
         self.can_replay = spec.bytes_per_state_block > 0 and hasattr(model, "replay_exact_tokens")
 
     def replay_tokens(self, context_len: int) -> int:
-        """Tokens the receiver replays for a sequence with `context_len` tokens of KV (0: send the state)."""
+        """Tokens the receiver replays for a sequence with `context_len` tokens of KV (0: send the state).
+        auto replays when that moves fewer bytes and is a bounded replay: a context shorter than the exact
+        replay span (layers x window) would be recomputed whole on the decode engine, redoing the prefill
+        there, so its state is sent."""
         if not self.can_replay or self.mode == "state":
             return 0
         r = self.model.replay_exact_tokens(context_len)
-        if self.mode == "replay" or 4 * r < self.spec.bytes_per_state_block:
+        if self.mode == "replay" or (4 * r < self.spec.bytes_per_state_block and r < context_len):
             return r
         return 0
 

@@ -189,10 +189,10 @@ class LLMEngine:
         limits = self._limits(params)
         logits_ctx = self._logits_context(params, prompt_token_ids)
         children = [child] if child else [(i, self.sequence_seed(request_id, params, i)) for i in range(params.n)]
+        cached = self.prefix_cache.lookup(prompt_token_ids) if self.prefix_cache else []  # children share it
         seq_ids = []
         for index, seed in children:
             seq_id = next(self._seq_counter)
-            cached = self.prefix_cache.lookup(prompt_token_ids) if self.prefix_cache else []
             state = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
                              logits_ctx=logits_ctx, grammar=self._grammar(params, []), cached_prefix=cached or None)
             # only then is it the engine's
