@@ -52,7 +52,7 @@ class SeqState:
     detokenizer: IncrementalDetokenizer | None = None  # None: the model ships no tokenizer
     logits_ctx: LogitsContext | None = None  # None: no logits processor touches this request
     grammar: SequenceGrammar | None = None  # structured outputs: where the sequence is in its grammar
-    cached_prefix: list | None = None  # prefix-store blocks to write into the pool when first scheduled
+    cached_prefix: tuple | None = None  # prefix-store (blocks, last block's hash) to write when first scheduled
 
 
 @dataclass
@@ -189,14 +189,15 @@ class LLMEngine:
         limits = self._limits(params)
         logits_ctx = self._logits_context(params, prompt_token_ids)
         children = [child] if child else [(i, self.sequence_seed(request_id, params, i)) for i in range(params.n)]
-        cached = self.prefix_cache.lookup(prompt_token_ids) if self.prefix_cache else []  # children share it
+        blocks, last_hash = self.prefix_cache.lookup(prompt_token_ids) if self.prefix_cache else ([], None)
         seq_ids = []
         for index, seed in children:
             seq_id = next(self._seq_counter)
             state = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
-                             logits_ctx=logits_ctx, grammar=self._grammar(params, []), cached_prefix=cached or None)
+                             logits_ctx=logits_ctx, grammar=self._grammar(params, []),
+                             cached_prefix=(blocks, last_hash) if blocks else None)  # children share the blocks
             # only then is it the engine's
-            self.scheduler.add_sequence(seq_id, prompt_token_ids, limits, len(cached) * self.config.block_size)
+            self.scheduler.add_sequence(seq_id, prompt_token_ids, limits, len(blocks) * self.config.block_size)
             self.seqs[seq_id] = state
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
@@ -438,15 +439,13 @@ class LLMEngine:
 
     def _write_cached_prefixes(self, batch) -> None:
         """Writes prefix-store hits into the blocks the scheduler just gave their sequences (their prefill
-        starts after the prefix), and rebuilds a model's StateBlock there by exact replay."""
+        starts after the prefix), with the StateBlock at the prefix's end (PrefixCache.write)."""
         for i, seq_id in enumerate(batch.seq_ids):
             state = self.seqs[seq_id]
             if state.cached_prefix is None:
                 continue
-            blocks, state.cached_prefix = state.cached_prefix, None
-            seq = self.scheduler.sequence(seq_id)
-            self.cache.load(list(seq.block_table[:len(blocks)]), None, PrefixCache.stack(blocks))
-            self.state_transfer.rebuild(seq, len(blocks) * self.config.block_size)
+            (blocks, last_hash), state.cached_prefix = state.cached_prefix, None
+            self.prefix_cache.write(self, self.scheduler.sequence(seq_id), blocks, last_hash)
 
     # ---- disaggregation: PROMPT engines export prefilled sequences, COMPLETION engines import them ------
 

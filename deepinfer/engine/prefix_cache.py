@@ -2,8 +2,10 @@
 
 A prompt's full blocks are stored once its prefill is done, content-addressed by the chained hash of the
 token prefix they complete. A later sequence whose prompt starts with stored blocks loads them (all but
-the block holding its last prompt token, whose logits it still needs) and prefills only the rest; a model
-with a StateBlock (DeepSeek-V4) gets it back by exact replay. The namespace seeds the hash chain with what
+the block holding its last prompt token, whose logits it still needs) and prefills only the rest. A model
+with a StateBlock (DeepSeek-V4) needs the state at the end of the loaded prefix: the first sequence to
+reach a prefix rebuilds it by exact replay (engine/kv_transfer.py) and stores that snapshot beside the
+blocks (as DeepInfer keeps SWA state on disk), so later sequences, here or in another process, load it. The namespace seeds the hash chain with what
 makes blocks interchangeable (the weights, dtype, KV format and block size), so two models sharing one
 store never see each other's blocks."""
 import hashlib
@@ -36,11 +38,27 @@ class PrefixCache:
     def hashes(self, token_ids: list[int]) -> list[bytes]:
         return self.store.hashes(list(token_ids), self.block_size)
 
-    def lookup(self, prompt_token_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+    def lookup(self, prompt_token_ids: list[int]) -> tuple[list[dict[str, torch.Tensor]], bytes | None]:
         """Stored blocks the prompt may reuse: the leading run of its full blocks short of its last token
-        (checksums verified; a corrupt entry ends the run and is recomputed)."""
+        (checksums verified; a corrupt entry ends the run and is recomputed), and the last one's hash."""
         usable = (len(prompt_token_ids) - 1) // self.block_size
-        return self.store.load(self.hashes(prompt_token_ids[:usable * self.block_size]))
+        hashes = self.hashes(prompt_token_ids[:usable * self.block_size])
+        blocks = self.store.load(hashes)
+        return blocks, hashes[len(blocks) - 1] if blocks else None
+
+    def write(self, engine, seq, blocks: list[dict[str, torch.Tensor]], last_hash: bytes) -> None:
+        """Writes a hit's blocks into the sequence's first blocks, and its StateBlock at the prefix's end: a
+        stored snapshot, or an exact replay whose result is stored for the next sequence."""
+        engine.cache.load(list(seq.block_table[:len(blocks)]), None, self.stack(blocks))
+        if engine.cache.spec.bytes_per_state_block == 0:
+            return
+        key = hashlib.blake2b(last_hash + b"state", digest_size=16).digest()
+        snapshot = self.store.load([key], counter="state_")
+        if snapshot:
+            engine.cache.load([], seq.state_slot, snapshot[0])
+            return
+        engine.state_transfer.rebuild(seq, len(blocks) * self.block_size)
+        self.store.save([key], [engine.cache.export([], seq.state_slot)])
 
     def save_prompts(self, engine, batch) -> None:
         """Stores the prompt blocks of every sequence whose prefill ends in this (just computed) step."""

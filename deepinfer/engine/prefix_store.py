@@ -82,7 +82,7 @@ class PrefixStore:
         self._env = _open_env(path, max(2 * self.max_bytes, 64 << 20) + _MAP_OVERHEAD)
         self._blocks, self._rec, self._lru, self._meta = (
             self._env.open_db(n) for n in (b"blocks", b"recency", b"lru", b"meta"))
-        self._counts = dict(hits=0, misses=0, stored=0, evicted=0, corrupt=0)
+        self._counts = dict(hits=0, misses=0, state_hits=0, state_misses=0, stored=0, evicted=0, corrupt=0)
         with self._txn(write=True) as txn:
             self._evict(txn, self.max_bytes)    # a reopen with a smaller budget shrinks the store now
 
@@ -98,9 +98,10 @@ class PrefixStore:
                     return n
         return len(hashes)
 
-    def load(self, hashes: list[bytes]) -> list[dict[str, torch.Tensor]]:
+    def load(self, hashes: list[bytes], counter: str = "") -> list[dict[str, torch.Tensor]]:
         """Blocks of the longest leading run that exist and pass their checksum (CPU tensors). A corrupt
-        entry is deleted and ends the run. Returned blocks become the most recently used."""
+        entry is deleted and ends the run. Returned blocks become the most recently used. counter: which
+        hit / miss counts this load adds to ("" for KV blocks, "state_" for StateBlock snapshots)."""
         with self._txn() as txn:
             raws = []
             for h in hashes:
@@ -123,8 +124,8 @@ class PrefixStore:
                     self._counts["corrupt"] += 1
                     logger.warning("prefix store: dropped corrupt block %s (%d bytes)", bad[0].hex(), len(bad[1]))
                 self._touch(txn, hashes[:len(out)])
-        self._counts["hits"] += len(out)
-        self._counts["misses"] += len(hashes) - len(out)
+        self._counts[counter + "hits"] += len(out)
+        self._counts[counter + "misses"] += len(hashes) - len(out)
         return out
 
     def save(self, hashes: list[bytes], blocks: list[dict[str, torch.Tensor]]) -> int:
@@ -150,7 +151,8 @@ class PrefixStore:
         return 0
 
     def stats(self) -> dict:
-        """This object's hits/misses/stored/evicted/corrupt counts; bytes and entries of the store."""
+        """This object's hits/misses (blocks, state snapshots)/stored/evicted/corrupt counts; bytes and entries
+        of the store."""
         with self._txn() as txn:
             return {**self._counts, "bytes": self._get(txn, b"bytes"),
                     "entries": txn.stat(self._blocks)["entries"]}
