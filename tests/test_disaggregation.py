@@ -294,12 +294,14 @@ def test_decode_engine_dies_and_its_requests_finish_on_a_survivor(tiny_qwen3_moe
 
 
 class CuttingProxy:
-    """A TCP forwarder to `target` that drops its first connection after `cut_after` bytes from the client
-    (a transfer cut half-way); later connections pass everything."""
+    """A TCP forwarder to `target` whose first connection is cut after `cut_after` bytes from the client (a
+    transfer cut half-way), or held for hold_s before anything passes (a slow transfer); later connections
+    pass everything at once."""
 
-    def __init__(self, target: str, cut_after: int):
+    def __init__(self, target: str, cut_after: int | None, hold_s: float = 0.0):
         host, port = target.removeprefix("tcp://").split(":")
-        self.target, self.cut_after, self.cuts = (host, int(port)), cut_after, 0
+        self.target, self.cut_after, self.hold_s = (host, int(port)), cut_after, hold_s
+        self.cuts, self.held = 0, 0
         self.server = socket.create_server(("127.0.0.1", 0))
         self.address = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -312,19 +314,25 @@ class CuttingProxy:
             except OSError:
                 return
             upstream = socket.create_connection(self.target)
-            limit = self.cut_after if first else None
+            limit, hold = (self.cut_after, self.hold_s) if first else (None, 0.0)
             first = False
-            threading.Thread(target=self._pipe, args=(client, upstream, limit), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, upstream, limit, hold), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, None, 0.0), daemon=True).start()
 
-    def _pipe(self, src, dst, limit):
-        sent = 0
+    def _pipe(self, src, dst, limit, hold):
+        sent, held = 0, []
         try:
             while data := src.recv(65536):
                 if limit is not None and sent + len(data) > limit:
                     dst.sendall(data[:limit - sent])
                     self.cuts += 1
                     break
+                if hold and sent + len(data) > 64:  # past the greeting: hold the message back
+                    self.held += not held
+                    held.append(data)
+                    time.sleep(hold)
+                    hold = 0.0
+                    data = b"".join(held)
                 dst.sendall(data)
                 sent += len(data)
         except OSError:
@@ -407,3 +415,22 @@ def test_dp_group_engines_match_normal_and_a_dead_rank_takes_its_group_down(tiny
         assert engine.alive["decode"] == {2, 3} and engine.stats["retries"] >= 1
     finally:
         engine.shutdown()
+
+
+def test_late_handoff_after_a_retry_is_dropped_not_decoded_twice(tiny_qwen3_moe, ray_local):
+    """A transfer slower than transfer_timeout_s: the front prefills the request again and tells the decode
+    engine to drop the first try, whose handoff then arrives late and is ignored: one import per request."""
+    prompts = qwen_prompts(3, seed=9)
+    normal = tokens(LLM(tiny_qwen3_moe, **QWEN).generate(prompts, greedy(), use_tqdm=False))
+    llm = disagg(tiny_qwen3_moe, decode=1, disagg={"transfer_timeout_s": 2.0}, **QWEN)
+    engine = llm.engine
+    proxy = CuttingProxy(engine.decode_addresses[0], cut_after=None, hold_s=4.0)
+    engine.decode_addresses[0] = proxy.address
+    try:
+        done = drive(engine, prompts, greedy())
+        assert [done[str(i)] for i in range(len(prompts))] == normal
+        assert engine.stats["retries"] >= 1 and proxy.held == 1
+    finally:
+        stats = engine.shutdown()
+        proxy.server.close()
+    assert stats[("decode", 0)]["imported"] == len(prompts)

@@ -100,6 +100,7 @@ class EngineWorker:
         self.peers: dict[str, Sender] = {}  # decode inboxes this prefill engine sent to
         self.targets: dict[str, str] = {}   # key -> decode address (prefill)
         self.waiting: deque = deque()       # handoffs waiting for blocks (decode)
+        self.aborted: set[str] = set()      # keys the front gave up on: their late handoffs are dropped
         self.group_busy = False             # the group's last vote saw work (DP group only)
         self.stats = {"steps": 0, "handoffs": 0, "bytes_sent": 0, "imported": 0}
 
@@ -159,10 +160,12 @@ class EngineWorker:
             else:  # a DP rank admits it on a PREFILL step the group voted for
                 self.rank.pending.append((key, prompt_ids, params, None, child))
         elif kind == "handoff":  # acknowledged now: an import may wait for free blocks, not for a retry
-            self.waiting.append(msg[1])
-            self._emit("received", msg[1].request_id, None)
+            if msg[1].request_id not in self.aborted:  # else a try the front gave up on arrived late
+                self.waiting.append(msg[1])
+                self._emit("received", msg[1].request_id, None)
         elif kind == "abort":
             key = msg[1]
+            self.aborted.add(key)
             self.engine.abort_request(key)
             self.targets.pop(key, None)
             self.waiting = deque(h for h in self.waiting if h.request_id != key)
