@@ -434,3 +434,21 @@ def test_late_handoff_after_a_retry_is_dropped_not_decoded_twice(tiny_qwen3_moe,
         stats = engine.shutdown()
         proxy.server.close()
     assert stats[("decode", 0)]["imported"] == len(prompts)
+
+
+def test_prefix_store_with_mtp_drafting_keeps_the_tokens(tmp_path):
+    """The default model drafts with its MTP layer, whose ring is part of the StateBlock: prefix hits (blocks
+    and state snapshots from the store) leave the tokens as without a store, speculation included."""
+    from deepinfer.default_model import default_model_path
+    from examples.disaggregated import HEADER
+    from examples.offline import PROMPTS
+
+    path, prompts = default_model_path(), [HEADER + p for p in PROMPTS[:4]]
+    kw = dict(dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=8,
+              speculative={"method": "mtp", "num_draft_tokens": 2, "verify": "all"})
+    plain = tokens(LLM(path, **kw).generate(prompts, greedy(16), use_tqdm=False))
+    store = str(tmp_path / "store")
+    for run in range(2):
+        llm = LLM(path, prefix_cache=store, **kw)
+        assert tokens(llm.generate(prompts, greedy(16), use_tqdm=False)) == plain
+    assert llm.engine.prefix_cache.store.stats()["hits"] > 0

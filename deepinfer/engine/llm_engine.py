@@ -105,7 +105,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Handoff] = []
         self.state_transfer = StateTransfer(self.model, spec, config.block_size, config.state_transfer)
-        self.prefix_cache = PrefixCache.from_config(config) if config.prefix_cache else None
+        self.prefix_cache = PrefixCache.from_config(config, spec) if config.prefix_cache else None
         self._seq_counter = itertools.count()
         self._grammars: GrammarCompiler | None = None
         self.num_steps = {"prefill": 0, "decode": 0}

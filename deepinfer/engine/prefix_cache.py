@@ -23,15 +23,17 @@ class PrefixCache:
         self.store, self.block_size = store, block_size
 
     @classmethod
-    def from_config(cls, config) -> "PrefixCache":
-        """config.prefix_cache: a store directory, or {"path": dir, "max_bytes": limit (default 4 GiB)}."""
+    def from_config(cls, config, spec) -> "PrefixCache":
+        """config.prefix_cache: a store directory, or {"path": dir, "max_bytes": limit (default 4 GiB)}; spec: the
+        engine's CacheSpec (its tensors enter the namespace: an MTP ring in the StateBlock makes another one)."""
         opts = config.prefix_cache if isinstance(config.prefix_cache, dict) else {"path": config.prefix_cache}
         unknown = set(opts) - {"path", "max_bytes"}
         if unknown or not isinstance(opts.get("path"), str):
             raise ValueError(f"LLM(prefix_cache=...) must be a directory or {{'path': dir, 'max_bytes': n}}, "
                              f"got {config.prefix_cache!r}")
+        layout = sorted((n, tuple(t.shape), str(t.dtype)) for pool in (spec.paged, spec.state) for n, t in pool.items())
         namespace = "|".join([model_fingerprint(config.model), str(config.dtype), config.kv_cache_dtype,
-                              str(config.block_size)])
+                              str(config.block_size), repr(layout)])
         store = PrefixStore(opts["path"], int(opts.get("max_bytes", DEFAULT_MAX_BYTES)), namespace)
         return cls(store, config.block_size)
 
@@ -49,7 +51,7 @@ class PrefixCache:
     def write(self, engine, seq, blocks: list[dict[str, torch.Tensor]], last_hash: bytes) -> None:
         """Writes a hit's blocks into the sequence's first blocks, and its StateBlock at the prefix's end: a
         stored snapshot, or an exact replay whose result is stored for the next sequence."""
-        engine.cache.load(list(seq.block_table[:len(blocks)]), None, self.stack(blocks))
+        engine.cache.load(list(seq.block_table[:len(blocks)]), None, self._stack(blocks))
         if engine.cache.spec.bytes_per_state_block == 0:
             return
         key = hashlib.blake2b(last_hash + b"state", digest_size=16).digest()
@@ -78,7 +80,7 @@ class PrefixCache:
         return [{name: t[i].clone() for name, t in data.items()} for i in range(len(block_ids))]
 
     @staticmethod
-    def stack(blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _stack(blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Per-block dicts -> one export() dict ([n, ...] per tensor)."""
         return {name: torch.stack([b[name] for b in blocks]) for name in blocks[0]}
 
