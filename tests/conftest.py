@@ -81,3 +81,15 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> str:
     return make_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray for the module (bound to 127.0.0.1), which engines join instead of each starting one;
+    yields the ray module. 4 logical CPUs: engine actors take fractions of them."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()

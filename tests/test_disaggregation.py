@@ -182,16 +182,6 @@ def corrupt_entry(path: str, key: bytes) -> None:
 # engines in separate processes
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def disagg(path, prefill=1, decode=2, **kw):
     opts = dict(prefill=prefill, decode=decode, poll_ms=5, **kw.pop("disagg", {}))
     return LLM(path, disaggregation=opts, **kw)

@@ -42,17 +42,6 @@ def wait_gone(pids, timeout=15.0) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray for the module (bound to 127.0.0.1); DPEngines join it instead of each starting one."""
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def dp2(tiny_qwen3_moe, ray_local):
     llm = LLM(tiny_qwen3_moe, data_parallel_size=2, **SMALL)
     yield llm
