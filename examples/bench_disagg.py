@@ -319,8 +319,9 @@ def main():
     ap.add_argument("--skip-prefix", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    parts = [f"CPU: `{platform.cpu_flags()}`, {os.cpu_count()} vCPUs. Command: `python examples/bench_disagg.py "
-             f"{' '.join(sys.argv[1:])}`. All numbers of one table come from one run of the script."]
+    command = " ".join(["python examples/bench_disagg.py", *sys.argv[1:]])
+    parts = [f"CPU: `{platform.cpu_flags()}`, {os.cpu_count()} vCPUs. Command: `{command}`. All numbers of one "
+             "table come from one run of the script."]
     transport_rows, engine_rows, prefix_rows = [], [], []
     if not args.skip_transport:
         transport_rows = transport()
