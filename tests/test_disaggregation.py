@@ -216,7 +216,8 @@ def test_disaggregated_qwen_matches_normal_greedy_seeded_and_n(tiny_qwen3_moe, r
     assert sum(s["imported"] for s in engines.values()) == stats["transfers"]
 
 
-@pytest.mark.parametrize("kv_cache_dtype,state_transfer,store", [("auto", "state", False), ("fp4", "replay", True)])
+@pytest.mark.parametrize("kv_cache_dtype,state_transfer,store", [("auto", "state", False), ("fp8", "auto", False),
+                                                                  ("fp4", "replay", True), ("fp4_all", "auto", False)])
 def test_disaggregated_v4_matches_normal(v4, ray_local, tmp_path, kv_cache_dtype, state_transfer, store):
     """With the store, the second generate's prefill engine loads the prompts' blocks from it and rebuilds
     the state by replay: the same tokens again."""
@@ -231,7 +232,8 @@ def test_disaggregated_v4_matches_normal(v4, ray_local, tmp_path, kv_cache_dtype
     try:
         for _ in range(2 if store else 1):
             assert tokens(llm.generate(prompts, params, use_tqdm=False)) == normal
-        assert llm.engine.stats["replayed"] == (len(prompts) * (1 + store) if state_transfer == "replay" else 0)
+        replayed = {"state": 0, "replay": len(prompts), "auto": 2}[state_transfer]  # auto: the 90 and 150 prompts
+        assert llm.engine.stats["replayed"] == replayed * (1 + store)
     finally:
         engines = llm.engine.shutdown()
     if store:  # every full prompt block was stored by the first run and loaded (short of the last token) by the second;
