@@ -3,6 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
+STATE_TRANSFER_MODES = ("auto", "state", "replay")  # engine/kv_transfer.py
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -64,8 +65,8 @@ class EngineConfig:
             raise ValueError(f"LLM(num_threads={self.num_threads!r}) must be a positive integer")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp4", "fp4_all"):
             raise ValueError(f"LLM(kv_cache_dtype={self.kv_cache_dtype!r}) must be 'auto', 'fp8', 'fp4' or 'fp4_all'")
-        if self.state_transfer not in ("auto", "state", "replay"):
-            raise ValueError(f"LLM(state_transfer={self.state_transfer!r}) must be 'auto', 'state' or 'replay'")
+        if self.state_transfer not in STATE_TRANSFER_MODES:
+            raise ValueError(f"LLM(state_transfer={self.state_transfer!r}) must be one of {STATE_TRANSFER_MODES}")
         if self.engine_type not in ("normal", "prompt", "completion"):
             raise ValueError(f"LLM(engine_type={self.engine_type!r}) must be normal, prompt or completion")
 

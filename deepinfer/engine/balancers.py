@@ -18,6 +18,11 @@ NUM_TIERS = 4
 TIER_FRACTIONS = (1 / 64, 1 / 16, 1 / 4)
 
 
+def kv_at_end(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """KV tokens one sequence holds when it ends: its prompt plus max_tokens (no limit: up to max_model_len)."""
+    return prompt_len + (max_tokens or max_model_len - prompt_len)
+
+
 def _alive(num_engines: int, alive: set[int] | None) -> list[int]:
     """The engines to choose from, in index order; ValueError if none."""
     engines = list(range(num_engines)) if alive is None else sorted(e for e in alive if 0 <= e < num_engines)

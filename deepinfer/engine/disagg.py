@@ -23,10 +23,9 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
-from deepinfer.config import EngineConfig, dataclass_from_dict
-from deepinfer.engine.balancers import DecodeBalancer, PrefillBalancer
+from deepinfer.config import STATE_TRANSFER_MODES, EngineConfig, dataclass_from_dict
+from deepinfer.engine.balancers import DecodeBalancer, PrefillBalancer, kv_at_end
 from deepinfer.engine.dp import DPConfig, _hf_config, _summary
-from deepinfer.engine.kv_transfer import STATE_TRANSFER_MODES
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -234,11 +233,7 @@ class Pending:
     params: object
     metrics: RequestMetrics
     children: list[Child] = field(default_factory=list)
-
-    @property
-    def kv_len(self) -> int:
-        """KV a child holds at its end (what the decode balancer evens out)."""
-        return len(self.prompt_token_ids) + (self.params.max_tokens or 0)
+    kv_len: int = 0  # KV one child holds at its end (what the decode balancer evens out)
 
 
 class DisaggEngine:
@@ -327,7 +322,8 @@ class DisaggEngine:
         if request_id in self.pending:
             raise ValueError(f"request {request_id!r} is already running")
         req = Pending(request_id, prompt, list(prompt_token_ids), params,
-                      RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids)))
+                      RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids)),
+                      kv_len=kv_at_end(len(prompt_token_ids), params.max_tokens, self.config.max_model_len))
         req.children = [Child(req, i, self.sequence_seed(request_id, params, i)) for i in range(params.n)]
         self.pending[request_id] = req
         for child in req.children:
@@ -378,11 +374,15 @@ class DisaggEngine:
     def _retry(self, child: Child) -> None:
         """Abandons a child's current try (its engines are told to drop it) and dispatches it again."""
         self.stats["retries"] += 1
+        self._abort(child)
+        self._dispatch(child)
+
+    def _abort(self, child: Child) -> None:
+        """Tells the live engines of a child's try to drop it, and frees its balancer loads."""
         for role, i in ((PREFILL, child.prefill), (DECODE, child.decode)):
             if i in self.alive[role]:
                 self.senders[(role, i)].send(("abort", child.key))
         self._release(child)
-        self._dispatch(child)
 
     def _release(self, child: Child) -> None:
         if child.stage == PREFILL:
@@ -463,11 +463,8 @@ class DisaggEngine:
 
     def abort_all(self) -> None:
         """After an exception in generate: every running child is aborted on its engines."""
-        for child in list(self.by_key.values()):
-            for role, i in ((PREFILL, child.prefill), (DECODE, child.decode)):
-                if i in self.alive[role]:
-                    self.senders[(role, i)].send(("abort", child.key))
-            self._release(child)
+        for child in self.by_key.values():
+            self._abort(child)
         self.by_key.clear()
         self.pending.clear()
         self.finished.clear()

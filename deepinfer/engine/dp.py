@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from deepinfer import _C, platform
 from deepinfer.config import EngineConfig, dataclass_from_dict, hf_get
-from deepinfer.engine.balancers import DecodeBalancer
+from deepinfer.engine.balancers import DecodeBalancer, kv_at_end
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.layers.moe import balanced_moe_blocks
 
@@ -435,7 +435,7 @@ class DPEngine:
 
     def _kv_len(self, req) -> int:
         _, ids, params, _ = req
-        return params.n * (len(ids) + (params.max_tokens or self.config.max_model_len - len(ids)))
+        return params.n * kv_at_end(len(ids), params.max_tokens, self.config.max_model_len)
 
     def _check_session(self) -> None:
         """Raises (and ends every rank) if a rank failed; closes the session once all ranks returned

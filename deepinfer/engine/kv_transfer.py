@@ -15,9 +15,6 @@ from deepinfer import platform
 from deepinfer.formats.cache_spec import CacheSpec
 from deepinfer.sampling_params import SamplingParams
 
-STATE_TRANSFER_MODES = ("auto", "state", "replay")
-
-
 @dataclass
 class Handoff:
     """A PROMPT engine's finished prefill: what a COMPLETION engine needs to continue it."""
@@ -40,11 +37,10 @@ class Handoff:
 
 class StateTransfer:
     """Exports and imports one sequence's KV for a model and cache spec. mode: "state" always sends the
-    StateBlock, "replay" always rebuilds it, "auto" picks whichever moves fewer bytes per request."""
+    StateBlock, "replay" always rebuilds it, "auto" picks whichever moves fewer bytes per request (one of
+    config.STATE_TRANSFER_MODES, checked by EngineConfig.validate)."""
 
     def __init__(self, model, spec: CacheSpec, block_size: int, mode: str = "auto"):
-        if mode not in STATE_TRANSFER_MODES:
-            raise ValueError(f"state_transfer={mode!r} must be one of {STATE_TRANSFER_MODES}")
         self.model, self.spec, self.block_size, self.mode = model, spec, block_size, mode
         self.can_replay = spec.bytes_per_state_block > 0 and hasattr(model, "replay_exact_tokens")
 
@@ -82,9 +78,9 @@ class StateTransfer:
             self._replay(seq, seq.num_computed_tokens, h.replay_tokens)
 
     def rebuild(self, seq, context_len: int) -> None:
-        """The StateBlock of a sequence whose first context_len tokens' blocks were just written (a prefix hit)."""
-        if self.spec.bytes_per_state_block > 0:
-            self._replay(seq, context_len, self.model.replay_exact_tokens(context_len))
+        """The StateBlock of a sequence whose first context_len tokens' blocks were just written (a prefix hit
+        on a model that has one)."""
+        self._replay(seq, context_len, self.model.replay_exact_tokens(context_len))
 
     def _replay(self, seq, context_len: int, num_tokens: int) -> None:
         with platform.torch_parallel():

@@ -440,7 +440,7 @@ class LLMEngine:
     def _write_cached_prefixes(self, batch) -> None:
         """Writes prefix-store hits into the blocks the scheduler just gave their sequences (their prefill
         starts after the prefix), with the StateBlock at the prefix's end (PrefixCache.write)."""
-        for i, seq_id in enumerate(batch.seq_ids):
+        for seq_id in batch.seq_ids:
             state = self.seqs[seq_id]
             if state.cached_prefix is None:
                 continue

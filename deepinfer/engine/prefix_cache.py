@@ -76,8 +76,8 @@ class PrefixCache:
 
     @staticmethod
     def _blocks(cache, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
-        data = cache.export(block_ids, None)
-        return [{name: t[i].clone() for name, t in data.items()} for i in range(len(block_ids))]
+        data = cache.export(block_ids, None)  # a copy: the blocks are views of it, no second copy
+        return [{name: t[i] for name, t in data.items()} for i in range(len(block_ids))]
 
     @staticmethod
     def _stack(blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
