@@ -37,12 +37,48 @@ def test_kv_load_c_bit_exact(fmt):
     assert e.shape == (0, idx.shape[1], 64)
 
 
-def test_attention_c():
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_attention_c(splits):
+    """One tile holds the ring and the compressed entries (W + K < BLOCK_N); split-K over 1-3 splits, some
+    of them empty, merged with the sink by the combine kernel."""
     case = attention_case()
     a = v4_decode_attention.v4_decode_attention_ref(*case)
-    b = v4_decode_attention.v4_decode_attention(*case)
+    b = v4_decode_attention.v4_decode_attention(*case, splits=splits)
     assert torch.allclose(a, b, atol=2e-6, rtol=1e-5)
     assert not b[-1].any()
+    q, ring, ring_len, comp, valid, sinks, sc = case                  # no compressed entries yet
+    a = v4_decode_attention.v4_decode_attention_ref(q, ring, ring_len, comp[:, :0], valid[:, :0], sinks, sc)
+    b = v4_decode_attention.v4_decode_attention(q, ring, ring_len, comp[:, :0], valid[:, :0], sinks, sc,
+                                                splits=splits)
+    assert torch.allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+def v4_flash_attention_case(B=3, seed=6):
+    """DeepSeek-V4-Flash decode: 64 heads of 512, window 128, top-k 512 compressed entries (10 tiles)."""
+    q, ring, ring_len, comp, valid, sinks, sc = attention_case(B=B, H=64, D=512, W=128, K=512, seed=seed)
+    ring_len[0] = 37                                         # a young sequence: part of its window is empty
+    return q, ring, ring_len, comp, valid, sinks, sc
+
+
+def test_attention_c_v4_flash_shapes():
+    case = v4_flash_attention_case()
+    a = v4_decode_attention.v4_decode_attention_ref(*case)
+    for splits in (1, 4):
+        b = v4_decode_attention.v4_decode_attention(*case, splits=splits)
+        assert torch.allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_attention_fp4_c(fmt):
+    """Compressed entries dequantised inside the attention tile == kv_load then attention."""
+    packed, scales, table, idx = kv_load_case(fmt)
+    q, ring, ring_len, _, _, sinks, sc = attention_case(B=idx.shape[0], D=packed.shape[-1] * 2)
+    a = v4_decode_attention.v4_decode_attention_fp4_ref(q, ring, ring_len, packed, scales, table, idx, sinks, sc,
+                                                        fmt, 0.5)
+    for splits in (1, 2):
+        b = v4_decode_attention.v4_decode_attention_fp4(q, ring, ring_len, packed, scales, table, idx, sinks, sc,
+                                                        fmt, 0.5, splits=splits)
+        assert torch.allclose(a, b, atol=2e-6, rtol=1e-5)
 
 
 def test_verify_len_c():

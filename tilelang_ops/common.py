@@ -1,14 +1,18 @@
-"""Shared plumbing for the TileLang kernels: thread indexing on both targets, builds, CUDA source, nvcc.
+"""Shared plumbing for the TileLang kernels: the tile primitives on both targets, builds, CUDA source, nvcc.
 
-Every kernel here is written in one portable style: each logical work item (a token block, a head, a
-row) is handled start to finish by one thread with serial loops and thread-local buffers, with no
-cross-thread communication. On CUDA the items are spread over blocks of CUDA_THREADS threads; on the
-C target (no SIMT threads) each item is its own grid step, so the same program runs on both.
+A kernel is one program for both targets. Its makers take the target and write the program with `Tiles`,
+which spells each tile primitive the way the target has it: on CUDA a block of threads shares tiles in
+shared memory and fragments, and `T.reduce_*` reduces across threads; on the C target (no SIMT threads:
+`T.Parallel` runs serially, fragments and shared memory do not exist) the same tiles are local buffers
+and a reduction is a serial loop. So the algorithm the C target tests is the one the GPU runs.
+`item`/`grid` serve the kernels still written one work item per thread (verify_len, token_mask).
 """
 import functools
 import os
 import subprocess
 
+import tilelang.cpu.language as TC
+import tilelang.language as T
 import torch
 
 CUDA_THREADS = 128
@@ -20,14 +24,70 @@ def threads_for(target: str) -> int:
     return CUDA_THREADS if target == "cuda" else 1
 
 
+class Tiles:
+    """The tile primitives for one target ('cuda' or 'c'); `threads` is the CUDA block size."""
+
+    def __init__(self, target: str, threads: int = CUDA_THREADS):
+        self.cuda = target == "cuda"
+        self.threads = threads if self.cuda else 1
+
+    def kernel(self, *grid):
+        return T.Kernel(*grid, threads=self.threads) if self.cuda else TC.Kernel(*grid)
+
+    def parallel(self, *extents):
+        """T.Parallel (elements spread over the threads) on CUDA; nested serial loops on C, where the tiles
+        are local buffers and TileLang forbids indexing those with a T.Parallel variable."""
+        return T.Parallel(*extents) if self.cuda else T.grid(*extents)
+
+    def fragment(self, shape, dtype):
+        """Registers spread over the block's threads (CUDA) / a local array (C)."""
+        return (T.alloc_fragment if self.cuda else T.alloc_local)(shape, dtype)
+
+    def shared(self, shape, dtype):
+        return (T.alloc_shared if self.cuda else T.alloc_local)(shape, dtype)
+
+    def reduce_max(self, src, dst, dim: int = -1, clear: bool = True):
+        if self.cuda:
+            return T.reduce_max(src, dst, dim=dim, clear=clear)
+        return _serial_reduce(src, dst, dim, clear, T.max, -T.infinity(src.dtype))
+
+    def reduce_min(self, src, dst, dim: int = -1, clear: bool = True):
+        if self.cuda:
+            return T.reduce_min(src, dst, dim=dim, clear=clear)
+        return _serial_reduce(src, dst, dim, clear, T.min, T.max_value(src.dtype))
+
+    def reduce_sum(self, src, dst, dim: int = -1, clear: bool = True):
+        if self.cuda:
+            return T.reduce_sum(src, dst, dim=dim, clear=clear)
+        return _serial_reduce(src, dst, dim, clear, lambda a, b: a + b, T.Cast(src.dtype, 0))
+
+
+def _serial_reduce(src, dst, dim, clear, op, init):
+    """T.reduce_* for the C target: src [n] -> dst [1], or src [r, c] along dim 1 -> [r] / dim 0 -> [c]."""
+    two_d = len(src.shape) == 2
+    if two_d and dim in (0, -2):
+        outer, inner = src.shape[1], src.shape[0]
+        at = lambda i, j: src[j, i]  # noqa: E731
+    else:
+        outer, inner = (src.shape[0], src.shape[1]) if two_d else (1, src.shape[0])
+        at = (lambda i, j: src[i, j]) if two_d else (lambda i, j: src[j])  # noqa: E731
+
+    @T.macro
+    def reduce():
+        for i in T.serial(outer):
+            if clear:
+                dst[i] = init
+            for j in T.serial(inner):
+                dst[i] = op(dst[i], at(i, j))
+    return reduce()
+
+
 def item(bx, threads: int):
     """Global work-item index inside a kernel: block * threads + thread (plain block index on C)."""
-    import tilelang.language as T
     return bx if threads == 1 else bx * threads + T.get_thread_binding(0)
 
 
 def grid(n, threads: int):
-    import tilelang.language as T
     return T.ceildiv(n, threads)
 
 
@@ -43,20 +103,20 @@ def target_of(*tensors: torch.Tensor) -> str:
 
 @functools.lru_cache(maxsize=None)
 def build(maker, target: str, *args):
-    """Compile maker(*args, threads) for target ('c' or 'cuda'); cached per (kernel, shape args, target)."""
+    """Compile maker(*args, target=target) for target ('c' or 'cuda'); cached per (kernel, args, target)."""
     import tilelang
-    func = maker(*args, threads_for(target))
+    func = maker(*args, target=target)
     if target == "c":
         return tilelang.compile(func, target="c", compile_flags=C_FLAGS)
     return tilelang.compile(func, target="cuda")
 
 
 def cuda_source(maker, *args, arch: str = CUDA_ARCH) -> str:
-    """Lower maker(*args, CUDA_THREADS) to CUDA C++ for arch without needing a GPU."""
+    """Lower maker(*args, target='cuda') to CUDA C++ for arch without needing a GPU."""
     import tilelang
     from tvm.target import Target
     with Target({"kind": "cuda", "arch": arch}) as tgt:
-        return tilelang.lower(maker(*args, CUDA_THREADS), target=tgt).kernel_source
+        return tilelang.lower(maker(*args, target="cuda"), target=tgt).kernel_source
 
 
 def nvcc_compile(source: str, out_dir: str, name: str, arch: str = CUDA_ARCH) -> str:

@@ -10,6 +10,7 @@ OPS = {
     "kv_store": ("kv_store", "kv_store", "kv_store_ref"),
     "kv_load": ("kv_load", "kv_load", "kv_load_ref"),
     "v4_decode_attention": ("v4_decode_attention", "v4_decode_attention", "v4_decode_attention_ref"),
+    "v4_decode_attention_fp4": ("v4_decode_attention", "v4_decode_attention_fp4", "v4_decode_attention_fp4_ref"),
     "verify_len": ("verify_len", "verify_len", "verify_len_ref"),
     "sample": ("sampling", "sample", "sample_ref"),
     "apply_token_mask": ("token_mask", "apply_token_mask", "apply_token_mask_ref"),

@@ -36,6 +36,11 @@ def e4m3_decode(byte):
                           T.Cast("float32", m + 8) * pow2(e - 10))
 
 
+def group_scale(byte, fmt: str, tensor_scale):
+    """A scale byte -> the fp32 multiplier of its group: E4M3 times the tensor scale (nvfp4), E8M0 (mxfp4)."""
+    return e4m3_decode(byte) * tensor_scale if fmt == "nvfp4" else pow2_e8m0(byte)
+
+
 def e4m3_round(s):
     """Non-negative fp32 s -> (E4M3 value, E4M3 byte): round to nearest even, saturate at 448.
 

@@ -9,10 +9,11 @@ import torch
 import tilelang.language as T
 
 from deepinfer.formats.fp4 import dequantize_mxfp4, dequantize_nvfp4
-from tilelang_ops.common import build, check, check_tensor, grid, item, target_of
-from tilelang_ops.fp4_tl import e2m1_value, e4m3_decode, pow2_e8m0
+from tilelang_ops.common import Tiles, build, check, check_tensor, target_of
+from tilelang_ops.fp4_tl import e2m1_value, group_scale
 from tilelang_ops.kv_store import GROUP
 
+TILE = 8192  # output elements per block: enough to amortise building the per-block byte table
 OUT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -33,35 +34,51 @@ def entry_slots(block_table, indices, block_entries: int):
     return block_table.long().gather(1, pos // block_entries).clamp(min=0) * block_entries + pos % block_entries, valid
 
 
-def make_kv_load(fmt: str, D: int, BE: int, out_dtype: str, threads: int):
-    """One work item = one (query b, selected entry j, scale group g): G values."""
+def pool_row(table, b, pos, BE: int):
+    """Trace-time: the pool row of sequence b's entry position pos (clamped to row 0 for pos < 0 or a -1 block,
+    so a select that evaluates both arms stays in bounds)."""
+    p = T.max(pos, 0)
+    return T.max(table[b, p // BE], 0) * BE + p % BE
+
+
+def make_kv_load(fmt: str, D: int, BE: int, out_dtype: str, target: str):
+    """A block dequantises E = TILE / D selected entries of one query b: grid (ceil(K / E), B).
+
+    Each entry's pool row is looked up once; the packed rows are gathered into shared memory with
+    vector loads, a byte table gives both values of a byte in one lookup, and the [E, D] tile (Out viewed
+    as [B, K, D/2, 2], the two nibbles of a byte last) is stored with coalesced vector stores.
+    Padding (and rows past K) gathers zero bytes, which decode to +0, the reference's padding value.
+    """
     G = GROUP[fmt]
-    NG = D // G
+    NG, H, E = D // G, D // 2, max(TILE // D, 1)
+    tl = Tiles(target)
     B, K, MB, S = T.dynamic("B"), T.dynamic("K"), T.dynamic("MB"), T.dynamic("S")
 
     @T.prim_func
-    def kv_load(P: T.Tensor((S, D // 2), "uint8"), Sc: T.Tensor((S, NG), "uint8"),
+    def kv_load(P: T.Tensor((S, H), "uint8"), Sc: T.Tensor((S, NG), "uint8"),
                 Table: T.Tensor((B, MB), "int64"), Idx: T.Tensor((B, K), "int64"),
-                TScale: T.Tensor((1,), "float32"), Out: T.Tensor((B, K, D), out_dtype)):
-        with T.Kernel(grid(B * K * NG, threads), threads=threads) as bx:
-            i = item(bx, threads)
-            scale = T.alloc_local((1,), "float32")
-            if i < B * K * NG:
-                b, j, g = i // (K * NG), (i // NG) % K, i % NG
-                pos = Idx[b, j]
-                if pos >= 0:
-                    slot = Table[b, pos // BE] * BE + pos % BE
-                    if fmt == "nvfp4":
-                        scale[0] = e4m3_decode(Sc[slot, g]) * TScale[0]
-                    else:
-                        scale[0] = pow2_e8m0(Sc[slot, g])
-                    for t in T.serial(G // 2):
-                        byte = T.Cast("int32", P[slot, g * (G // 2) + t])
-                        Out[b, j, g * G + 2 * t] = T.Cast(out_dtype, e2m1_value(T.bitwise_and(byte, 15)) * scale[0])
-                        Out[b, j, g * G + 2 * t + 1] = T.Cast(out_dtype, e2m1_value(T.shift_right(byte, 4)) * scale[0])
-                else:
-                    for t in T.serial(G):
-                        Out[b, j, g * G + t] = T.Cast(out_dtype, 0)
+                TScale: T.Tensor((1,), "float32"), Out: T.Tensor((B, K, H, 2), out_dtype)):
+        with tl.kernel(T.ceildiv(K, E), B) as (bx, b):
+            slot = tl.shared((E,), "int64")      # pool row, -1 = padding or past K
+            pk = tl.shared((E, H), "uint8")
+            scale = tl.shared((E, NG), "float32")
+            pair = tl.shared((256, 2), "float32")  # byte -> its two E2M1 values: one lookup per byte
+            val = tl.fragment((E, H, 2), out_dtype)
+            for e in tl.parallel(E):  # clamped indices: a select may evaluate both of its arms
+                pos = T.if_then_else(bx * E + e < K, Idx[b, T.min(bx * E + e, K - 1)], -1)
+                slot[e] = T.if_then_else(pos >= 0, pool_row(Table, b, pos, BE), -1)
+            for e, h in tl.parallel(E, H):
+                pk[e, h] = T.if_then_else(slot[e] >= 0, P[T.max(slot[e], 0), h], T.uint8(0))
+            for e, g in tl.parallel(E, NG):
+                byte = T.if_then_else(slot[e] >= 0, Sc[T.max(slot[e], 0), g], T.uint8(0))
+                scale[e, g] = group_scale(byte, fmt, TScale[0])
+            for i, t in tl.parallel(256, 2):
+                pair[i, t] = e2m1_value(T.bitwise_and(T.shift_right(i, 4 * t), 15))
+            for e, h, t in tl.parallel(E, H, 2):
+                val[e, h, t] = T.Cast(out_dtype, pair[pk[e, h], t] * scale[e, h // (G // 2)])
+            for e, h, t in tl.parallel(E, H, 2):  # apart from the decode so the stores vectorise
+                if bx * E + e < K:
+                    Out[b, bx * E + e, h, t] = val[e, h, t]
     return kv_load
 
 
@@ -78,7 +95,7 @@ def kv_load(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dt
     ts = torch.tensor([float(tensor_scale)], dtype=torch.float32, device=packed.device)
     k = build(make_kv_load, target, fmt, out.shape[-1], packed.shape[1], OUT_DTYPES[dtype])
     k(packed.contiguous().view(-1, packed.shape[-1]), scales.contiguous().view(-1, scales.shape[-1]),
-      block_table.long().contiguous(), indices.long().contiguous(), ts, out)
+      block_table.long().contiguous(), indices.long().contiguous(), ts, out.view(B, K, -1, 2))
     return out, indices >= 0
 
 

@@ -10,9 +10,10 @@ import torch
 import tilelang.language as T
 
 from deepinfer.formats.fp4 import quantize_mxfp4, quantize_nvfp4
-from tilelang_ops.common import build, check, check_tensor, grid, item, target_of
+from tilelang_ops.common import Tiles, build, check, check_tensor, target_of
 from tilelang_ops.fp4_tl import absf, e2m1_code, e4m3_round, float_exponent, pow2
 
+TILE = 2048  # elements per block: 16 per thread, two 16-byte loads of bf16
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -29,43 +30,56 @@ def kv_store_ref(x, slot_mapping, packed, scales, fmt: str, tensor_scale=1.0):
     scales.view(-1, scales.shape[-1])[slots] = s
 
 
-def make_kv_store(fmt: str, D: int, dtype: str, threads: int):
-    """One work item = one (token, scale group): amax, scale, G/2 packed bytes, one scale byte."""
+def make_kv_store(fmt: str, D: int, dtype: str, target: str):
+    """A block quantises a tile of R = TILE / G scale groups (X viewed as [N*NG, G], one group a row).
+
+    The tile is read with coalesced vector loads, the group amax is a row reduction, codes go through
+    shared memory so each packed byte can pair two neighbours; P / Sc are the pool viewed per group.
+    """
     G = GROUP[fmt]
-    NG = D // G
-    N, S = T.dynamic("N"), T.dynamic("S")  # tokens, total slots (num_blocks * block_entries)
+    NG, H, R = D // G, G // 2, TILE // G
+    tl = Tiles(target)
+    N, SG = T.dynamic("N"), T.dynamic("SG")  # tokens, pool group rows (num_blocks * block_entries * NG)
 
     @T.prim_func
-    def kv_store(X: T.Tensor((N, D), dtype), Slot: T.Tensor((N,), "int64"), TScale: T.Tensor((1,), "float32"),
-                 P: T.Tensor((S, D // 2), "uint8"), Sc: T.Tensor((S, NG), "uint8")):
-        with T.Kernel(grid(N * NG, threads), threads=threads) as bx:
-            i = item(bx, threads)
-            amax = T.alloc_local((1,), "float32")
-            den = T.alloc_local((1,), "float32")
-            if i < N * NG:
-                n, g = i // NG, i % NG
-                slot = Slot[n]
-                if slot >= 0:
-                    amax[0] = 0.0
-                    for j in T.serial(G):
-                        amax[0] = T.max(amax[0], absf(T.Cast("float32", X[n, g * G + j])))
-                    if fmt == "nvfp4":
-                        s_hat, byte = e4m3_round(amax[0] / T.float32(6.0) / TScale[0])
-                        Sc[slot, g] = T.Cast("uint8", byte)
-                        den[0] = s_hat * TScale[0]  # v = x / den; den == 0 only for all-zero blocks
-                    else:
-                        e = T.if_then_else(amax[0] > 0, T.max(float_exponent(amax[0]) - 2, -127), -127)
-                        Sc[slot, g] = T.Cast("uint8", e + 127)
-                        den[0] = pow2(-e)     # multiplier 2^-e, exact
-                    for j in T.serial(G // 2):
-                        x0 = T.Cast("float32", X[n, g * G + 2 * j])
-                        x1 = T.Cast("float32", X[n, g * G + 2 * j + 1])
-                        if fmt == "nvfp4":
-                            v0 = T.if_then_else(den[0] > 0, x0 / den[0], T.float32(0))
-                            v1 = T.if_then_else(den[0] > 0, x1 / den[0], T.float32(0))
-                        else:
-                            v0, v1 = x0 * den[0], x1 * den[0]
-                        P[slot, g * (G // 2) + j] = T.Cast("uint8", e2m1_code(v0) + T.shift_left(e2m1_code(v1), 4))
+    def kv_store(X: T.Tensor((N * NG, G), dtype), Slot: T.Tensor((N,), "int64"), TScale: T.Tensor((1,), "float32"),
+                 P: T.Tensor((SG, H), "uint8"), Sc: T.Tensor((SG,), "uint8")):
+        with tl.kernel(T.ceildiv(N * NG, R)) as bx:
+            x = tl.fragment((R, G), "float32")
+            mag = tl.fragment((R, G), "float32")
+            amax = tl.fragment((R,), "float32")
+            mult = tl.fragment((R,), "float32")
+            dst = tl.shared((R,), "int64")       # pool group row, -1 = skip (padding or past N)
+            code = tl.shared((R, G), "uint8")
+            for r in tl.parallel(R):
+                row = bx * R + r
+                slot = T.if_then_else(row < N * NG, Slot[T.min(row, N * NG - 1) // NG], -1)
+                dst[r] = T.if_then_else(slot >= 0, slot * NG + row % NG, -1)
+            for r, j in tl.parallel(R, G):
+                x[r, j] = T.if_then_else(bx * R + r < N * NG, T.Cast("float32", X[bx * R + r, j]), T.float32(0))
+            for r, j in tl.parallel(R, G):
+                mag[r, j] = absf(x[r, j])
+            tl.reduce_max(mag, amax, 1)
+            for r in tl.parallel(R):
+                if fmt == "nvfp4":
+                    s_hat, byte = e4m3_round(amax[r] / T.float32(6.0) / TScale[0])
+                    mult[r] = s_hat * TScale[0]  # divisor; 0 only for all-zero groups
+                else:
+                    e = T.if_then_else(amax[r] > 0, T.max(float_exponent(amax[r]) - 2, -127), -127)
+                    byte = e + 127
+                    mult[r] = pow2(-e)          # multiplier 2^-e, exact
+                if dst[r] >= 0:
+                    Sc[dst[r]] = T.Cast("uint8", byte)
+            for r, j in tl.parallel(R, G):  # scaled in place: e2m1_code repeats its operand many times
+                if fmt == "nvfp4":
+                    x[r, j] = T.if_then_else(mult[r] > 0, x[r, j] / mult[r], T.float32(0))
+                else:
+                    x[r, j] = x[r, j] * mult[r]
+            for r, j in tl.parallel(R, G):
+                code[r, j] = T.Cast("uint8", e2m1_code(x[r, j]))
+            for r, j in tl.parallel(R, H):
+                if dst[r] >= 0:
+                    P[dst[r], j] = code[r, 2 * j] + T.shift_left(code[r, 2 * j + 1], 4)
     return kv_store
 
 
@@ -78,11 +92,12 @@ def kv_store(x, slot_mapping, packed, scales, fmt: str, tensor_scale=1.0):
     check(packed.is_contiguous() and scales.is_contiguous(), "kv_store: packed and scales must be contiguous")
     if x.shape[0] == 0:
         return
-    ts = torch.tensor([float(tensor_scale)], dtype=torch.float32, device=x.device)
+    ts = torch.tensor([float(tensor_scale)], dtype=torch.float32)  # checked on the host: no device sync
     check(fmt == "mxfp4" or (0 < ts.item() < float("inf")), "kv_store: tensor_scale must be positive and finite")
+    G = GROUP[fmt]
     k = build(make_kv_store, target, fmt, x.shape[1], DTYPES[x.dtype])
-    k(x.contiguous(), slot_mapping.long().contiguous(), ts, packed.view(-1, packed.shape[-1]),
-      scales.view(-1, scales.shape[-1]))
+    k(x.contiguous().view(-1, G), slot_mapping.long().contiguous(), ts.to(x.device), packed.view(-1, G // 2),
+      scales.view(-1))
 
 
 def _validate(x, slot_mapping, packed, scales, fmt):

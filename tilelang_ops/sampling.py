@@ -9,10 +9,12 @@ Per row (z = logits / temperature in fp32):
   top_p < 1         -> of those, keep key(z) >= t_p, t_p the largest key whose kept mass
                        sum exp(z - max z) reaches top_p * (total kept mass) (ties kept).
   token = first argmax over kept tokens of z + g, g = -log(-log(u)), u = uniform(seed, offset, token).
-key() is the fp32 bits as an order-preserving integer (-0 just below +0). The kernel finds t_k and t_p by
-32-step bit bisection; the reference selects them directly (top-k, then a sorted cumulative sum), which gives
-the same thresholds: t_k exactly, t_p up to the fp32 summation order of the mass (the kernel sums serially).
-A row with no logit above -inf returns -1. Logits must not be NaN or +inf.
+key() is the fp32 bits as an order-preserving integer (-0 just below +0). The kernel (one block per row,
+the row walked in tiles) finds t_k and t_p by radix select: 4 passes of 8 key bits each, a 256-bin histogram
+of counts / masses per pass; the reference selects them directly (top-k, then a sorted cumulative sum), which
+gives the same thresholds: t_k exactly, t_p up to the fp32 summation order of the mass (the kernel sums into
+bins: serially on the C target, by atomics in any order on the GPU). t_p is a kept token's key (top_p 0: the
+top token). A row with no logit above -inf returns -1. Logits must not be NaN or +inf.
 
 Uniforms: a counter-based hash (lowbias32, 32-bit multiply-xorshift) of (seed lo, seed hi, offset, token):
   row = mix(mix(mix(seed_lo) ^ seed_hi) ^ offset);  h = mix(row ^ mix(token));  u = ((h >> 9) + .5) * 2^-23
@@ -22,11 +24,17 @@ so u is in (0, 1), exact in fp32, and bit-identical on every target. Each row ha
 import torch
 import tilelang.language as T
 
-from tilelang_ops.common import build, check, check_tensor, grid, item, target_of
+from tilelang_ops.common import Tiles, build, check, check_tensor, target_of
 
 M32 = 0xFFFFFFFF
 KEY_MIN = -2 ** 31   # below every non-NaN key: marks dropped tokens in selections
 TOP_P_FIRST = 1024   # top-p candidates tried before sorting whole rows (1024 of 32000: ~7x cheaper)
+THREADS = 1024       # CUDA block: one per row
+VEC = 4              # fp32 per thread per tile: one 16-byte load
+TILE = THREADS * VEC  # tokens per tile (the C target walks the same tiles serially)
+BITS = 8             # radix select: DIGITS digits of BITS bits of the 32-bit key, a BINS-bin histogram each
+DIGITS = 32 // BITS
+BINS = 1 << BITS
 
 
 def mix32_ref(x: torch.Tensor) -> torch.Tensor:
@@ -132,72 +140,164 @@ def _key(z):
     return T.Cast("int64", T.if_then_else(b >= 0, b, T.bitwise_xor(b, 0x7FFFFFFF))) + T.int64(2 ** 31)
 
 
-def make_sample(V: int, threads: int):
-    """One work item = one row, serial passes over the vocabulary (max, 2 x 32 bisection steps, draw)."""
+@T.macro
+def _row_hash(seed, offset, row):
+    """row[0] = the uint32 hash of a row's (seed, offset) (module docstring). One lowbias32 per statement:
+    nested, each would repeat its argument 8 times in the expression tree (and in the generated code)."""
+    row[0] = _mix32(T.Cast("uint32", T.bitwise_and(seed, T.int64(M32))))
+    row[0] = _mix32(row[0] ^ T.Cast("uint32", T.bitwise_and(T.shift_right(seed, T.int64(32)), T.int64(M32))))
+    row[0] = _mix32(row[0] ^ T.Cast("uint32", T.bitwise_and(offset, T.int64(M32))))
+
+
+def _gumbel(z, h):
+    """z - log(-log(u)), u the uniform of the token whose hash is h."""
+    u = (T.Cast("float32", T.shift_right(h, T.uint32(9))) + T.float32(0.5)) * T.float32(2.0 ** -23)
+    return z - T.log(-T.log(u))
+
+
+def make_sample(V: int, target: str):
+    """Logits [B, V] -> Out [B]: one block per row, the row walked in tiles of TILE tokens (VEC per thread,
+    one 16-byte load each). Passes over the row: max (greedy rows stop there), DIGITS radix passes for t_k
+    (top-k rows), DIGITS for t_p (top-p rows), the draw."""
+    check(V < 2 ** 24, "sample kernel: the histograms count tokens in fp32, exact below 2^24")
+    tl = Tiles(target, THREADS)
+    NT = (V + TILE - 1) // TILE
     B = T.dynamic("B")
+    NEG = -T.infinity("float32")
+
+    @T.macro
+    def load_z(Logits, b, it, temp, tile):
+        """tile = z of tile it of row b (the tail past V is padded: callers mask it with v < V)."""
+        T.copy(Logits[b, it * TILE:(it + 1) * TILE], tile)
+        for i in tl.parallel(TILE):
+            tile[i] = tile[i] / temp[0]
+
+    def kept_by(zmax, min_p, tkey):
+        """The row's filter so far as a predicate of (token v, its z): above -inf, min_p, key >= tkey[0]."""
+        return lambda v, z: T.And(T.And(v < V, z > NEG), T.And(T.exp(z - zmax[0]) >= min_p, _key(z) >= tkey[0]))
+
+    @T.macro
+    def mask_tail(it, tile):
+        """tile: z -> the greedy score, z or -inf past V."""
+        for i in tl.parallel(TILE):
+            tile[i] = T.if_then_else(it * TILE + i < V, tile[i], NEG)
+
+    @T.macro
+    def gumbel_scores(it, tile, h, row, kept):
+        """tile: z -> z - log(-log(u)) where kept, else -inf; h [TILE] uint32 scratch for the hashes."""
+        for i in tl.parallel(TILE):
+            h[i] = _mix32(T.Cast("uint32", it * TILE + i))
+        for i in tl.parallel(TILE):
+            h[i] = _mix32(row[0] ^ h[i])
+        for i in tl.parallel(TILE):
+            tile[i] = T.if_then_else(kept(it * TILE + i, tile[i]), _gumbel(tile[i], h[i]), NEG)
+
+    @T.macro
+    def first_argmax(Logits, b, temp, scores, top, at):
+        """top[0], at[0] = the max over the row of the scores(it, tile) makes of each tile's z, and its first
+        token (-inf, -1 if none beats -inf). Per-lane best and first index, then two block reductions."""
+        tile = tl.fragment((TILE,), "float32")
+        best = tl.fragment((TILE,), "float32")
+        idx = tl.fragment((TILE,), "int32")
+        red_f = tl.fragment((1,), "float32")
+        red_i = tl.fragment((1,), "int32")
+        T.fill(best, NEG)
+        T.fill(idx, -1)
+        for it in T.serial(NT):
+            load_z(Logits, b, it, temp, tile)
+            scores(it, tile)
+            for i in tl.parallel(TILE):
+                # idx before best, strict >: a lane keeps its first index (and TileLang may split the loop)
+                idx[i] = T.if_then_else(tile[i] > best[i], it * TILE + i, idx[i])
+                best[i] = T.max(best[i], tile[i])
+        tl.reduce_max(best, red_f, 0)
+        for i in tl.parallel(TILE):
+            idx[i] = T.if_then_else(best[i] == red_f[0], idx[i], V)
+        tl.reduce_min(idx, red_i, 0)
+        top[0] = red_f[0]
+        at[0] = red_i[0]
+
+    @T.macro
+    def radix_select(Logits, b, temp, kept, weight, target_of_total, tkey):
+        """Raise tkey[0] to t, the largest key with sum(weight(z) of kept tokens with key >= t) >= target
+        (target_of_total(the whole kept weight)); t is a kept token's key. One histogram pass per digit,
+        most significant first, each over the tokens matching the digits chosen so far. If the bins fall
+        short of the target (all of them: fewer than top_k kept; or a later level by fp32 rounding) the
+        tokens matching the prefix so far are all kept."""
+        tile = tl.fragment((TILE,), "float32")
+        key = tl.fragment((TILE,), "int64")          # -1 (matching no prefix) where not kept
+        hist = tl.shared((BINS,), "float32")
+        sel = T.alloc_local((1,), "int64")            # the digits chosen so far, lower ones 0
+        live = T.alloc_local((1,), "int32")           # 0 once a level fell short
+        digit = T.alloc_local((1,), "int32")
+        need = T.alloc_local((1,), "float32")         # the target
+        above = T.alloc_local((1,), "float32")        # weight of the keys above the chosen prefix
+        run = T.alloc_local((1,), "float32")          # running bin sum of a scan
+        sel[0] = 0
+        above[0] = 0
+        live[0] = 1
+        for level in T.serial(DIGITS):
+            if live[0] == 1:
+                low = T.Cast("int64", BITS * (DIGITS - 1 - level))
+                T.fill(hist, 0)
+                for it in T.serial(NT):
+                    load_z(Logits, b, it, temp, tile)
+                    for i in tl.parallel(TILE):
+                        key[i] = T.if_then_else(kept(it * TILE + i, tile[i]), _key(tile[i]), -1)
+                    for i in tl.parallel(TILE):
+                        if T.shift_right(key[i], low + BITS) == T.shift_right(sel[0], low + BITS):
+                            T.atomic_add(hist[T.Cast("int32", T.bitwise_and(T.shift_right(key[i], low), BINS - 1))],
+                                         weight(tile[i]))
+                if level == 0:
+                    # summed in the scan's order: the scan then surely reaches a target <= the total
+                    run[0] = 0
+                    for j in T.serial(BINS):
+                        run[0] = run[0] + hist[BINS - 1 - j]
+                    need[0] = target_of_total(run[0])
+                digit[0] = -1
+                run[0] = 0
+                for j in T.serial(BINS):
+                    if digit[0] < 0:
+                        # an empty bin never ends the scan: a target of 0 (top_p 0) keeps the top token
+                        if T.And(hist[BINS - 1 - j] > 0, above[0] + (run[0] + hist[BINS - 1 - j]) >= need[0]):
+                            digit[0] = BINS - 1 - j
+                            above[0] = above[0] + run[0]
+                        else:
+                            run[0] = run[0] + hist[BINS - 1 - j]
+                if digit[0] < 0:
+                    live[0] = 0
+                else:
+                    sel[0] = T.bitwise_or(sel[0], T.shift_left(T.Cast("int64", digit[0]), low))
+        tkey[0] = T.max(tkey[0], sel[0])
 
     @T.prim_func
     def sample(Logits: T.Tensor((B, V), "float32"), Temp: T.Tensor((B,), "float32"), TopK: T.Tensor((B,), "int32"),
                TopP: T.Tensor((B,), "float32"), MinP: T.Tensor((B,), "float32"), Seeds: T.Tensor((B,), "int64"),
                Offset: T.Tensor((B,), "int64"), Out: T.Tensor((B,), "int64")):
-        with T.Kernel(grid(B, threads), threads=threads) as bx:
-            b = item(bx, threads)
-            f = T.alloc_local((4,), "float32")    # temperature, z max, mass, best score
-            t = T.alloc_local((3,), "int64")      # t_k, t_p, candidate
-            cnt = T.alloc_local((2,), "int64")    # best index, count
-            if b < B:
-                f[0] = T.if_then_else(Temp[b] > 0, Temp[b], T.float32(1.0))
-                f[1] = -T.infinity("float32")
-                cnt[0] = -1
-                for v in T.serial(V):                                   # max (greedy: first max)
-                    if Logits[b, v] / f[0] > f[1]:
-                        f[1] = Logits[b, v] / f[0]
-                        cnt[0] = v
-                if T.And(Temp[b] > 0, f[1] > -T.infinity("float32")):
-                    t[0] = 0
-                    if T.And(TopK[b] > 0, TopK[b] < V):
-                        for bit in T.serial(32):
-                            t[2] = T.bitwise_or(t[0], T.shift_left(T.int64(1), 31 - bit))
-                            cnt[1] = 0
-                            for v in T.serial(V):
-                                z = Logits[b, v] / f[0]
-                                if T.And(T.And(z > -T.infinity("float32"), T.exp(z - f[1]) >= MinP[b]), _key(z) >= t[2]):
-                                    cnt[1] += 1
-                            if cnt[1] >= TopK[b]:
-                                t[0] = t[2]
-                    t[1] = 0
-                    if TopP[b] < 1:
-                        f[2] = 0.0
-                        for v in T.serial(V):
-                            z = Logits[b, v] / f[0]
-                            if T.And(T.And(z > -T.infinity("float32"), T.exp(z - f[1]) >= MinP[b]), _key(z) >= t[0]):
-                                f[2] += T.exp(z - f[1])
-                        f[2] = TopP[b] * f[2]
-                        for bit in T.serial(32):
-                            t[2] = T.bitwise_or(t[1], T.shift_left(T.int64(1), 31 - bit))
-                            f[3] = 0.0
-                            for v in T.serial(V):
-                                z = Logits[b, v] / f[0]
-                                if T.And(T.And(T.And(z > -T.infinity("float32"), T.exp(z - f[1]) >= MinP[b]),
-                                               _key(z) >= t[0]), _key(z) >= t[2]):
-                                    f[3] += T.exp(z - f[1])
-                            if f[3] >= f[2]:
-                                t[1] = t[2]
-                    s = Seeds[b]
-                    row = _mix32(_mix32(_mix32(T.Cast("uint32", T.bitwise_and(s, T.int64(M32))))
-                                        ^ T.Cast("uint32", T.bitwise_and(T.shift_right(s, T.int64(32)), T.int64(M32))))
-                                 ^ T.Cast("uint32", T.bitwise_and(Offset[b], T.int64(M32))))
-                    f[3] = -T.infinity("float32")
-                    cnt[0] = -1
-                    for v in T.serial(V):
-                        z = Logits[b, v] / f[0]
-                        h = _mix32(row ^ _mix32(T.Cast("uint32", v)))
-                        u = (T.Cast("float32", T.shift_right(h, T.uint32(9))) + T.float32(0.5)) * T.float32(2.0 ** -23)
-                        if T.And(T.And(T.And(z > -T.infinity("float32"), T.exp(z - f[1]) >= MinP[b]),
-                                       T.And(_key(z) >= t[0], _key(z) >= t[1])), z - T.log(-T.log(u)) > f[3]):
-                            f[3] = z - T.log(-T.log(u))
-                            cnt[0] = v
-                Out[b] = cnt[0]
+        with tl.kernel(B) as b:
+            temp = T.alloc_local((1,), "float32")
+            zmax = T.alloc_local((1,), "float32")
+            score = T.alloc_local((1,), "float32")        # the drawn token's score (unused)
+            tok = T.alloc_local((1,), "int32")
+            tkey = T.alloc_local((1,), "int64")           # kept tokens have key >= tkey[0]
+            row = T.alloc_local((1,), "uint32")
+            h = tl.fragment((TILE,), "uint32")
+            temp[0] = T.if_then_else(Temp[b] > 0, Temp[b], T.float32(1.0))
+            first_argmax(Logits, b, temp, mask_tail, zmax, tok)
+            if T.And(Temp[b] > 0, zmax[0] > NEG):
+                tkey[0] = 0
+                kept = kept_by(zmax, MinP[b], tkey)
+                # top-k (s 0: count top_k kept tokens), then top-p (s 1: their mass reaches top_p of it all);
+                # one loop rather than two calls halves the code TileLang lowers
+                for s in T.serial(2):
+                    if T.if_then_else(s == 0, T.And(TopK[b] > 0, TopK[b] < V), TopP[b] < 1):
+                        radix_select(Logits, b, temp, kept,
+                                     lambda z: T.if_then_else(s == 0, T.float32(1), T.exp(z - zmax[0])),
+                                     lambda total: T.if_then_else(s == 0, T.Cast("float32", TopK[b]), TopP[b] * total),
+                                     tkey)
+                _row_hash(Seeds[b], Offset[b], row)
+                first_argmax(Logits, b, temp, lambda it, tile: gumbel_scores(it, tile, h, row, kept), score, tok)
+            Out[b] = T.Cast("int64", tok[0])
     return sample
 
 

@@ -3,7 +3,7 @@ token 32*i + j; disallowed logits are set to -inf in place. Returns the logits t
 import torch
 import tilelang.language as T
 
-from tilelang_ops.common import build, check, check_tensor, grid, item, target_of
+from tilelang_ops.common import build, check, check_tensor, grid, item, target_of, threads_for
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -17,8 +17,9 @@ def apply_token_mask_ref(logits, bitmask):
     return logits.masked_fill_(~allowed, float("-inf"))
 
 
-def make_token_mask(V: int, dtype: str, threads: int):
+def make_token_mask(V: int, dtype: str, target: str):
     """One work item = one (row, 32-bit word)."""
+    threads = threads_for(target)
     B = T.dynamic("B")
     NW = (V + 31) // 32
 

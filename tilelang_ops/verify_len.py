@@ -9,7 +9,7 @@ non-increasing along j and, with the tie rule, every request's admitted set is a
 import torch
 import tilelang.language as T
 
-from tilelang_ops.common import build, check, check_tensor, grid, item, target_of
+from tilelang_ops.common import build, check, check_tensor, grid, item, target_of, threads_for
 
 
 def sanitize(c: torch.Tensor) -> torch.Tensor:
@@ -37,8 +37,9 @@ def verify_len_ref(c, N: int):
     return admitted.int().cumprod(1).sum(1).int()                   # longest admitted prefix
 
 
-def make_verify_len(k: int, threads: int):
+def make_verify_len(k: int, target: str):
     """One work item = one request r: ranks each of its drafts against every draft of every request."""
+    threads = threads_for(target)
     R = T.dynamic("R")
 
     @T.prim_func
