@@ -62,7 +62,10 @@ def main():
         prompts = [HEADER + p for p in PROMPTS]
         runs = []
         for run in ("first", "second"):
-            llm = LLM(path, prefix_cache={"path": store, "max_bytes": 64 << 20}, **kw)
+            # A hit prefills only the suffix: fewer rows per GEMM, which in bf16 may take another kernel (another
+            # reduction order) than the full prompt did. batch_invariant pins one order, so a hit must give the
+            # tokens of a miss bit for bit (without it they differed on an AVX512-BF16 CPU).
+            llm = LLM(path, prefix_cache={"path": store, "max_bytes": 64 << 20}, batch_invariant=True, **kw)
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
             s = llm.engine.prefix_cache.store.stats()
             print(f"prefix store, {run} engine: {s['hits']} blocks loaded, {s['stored']} stored, {s['entries']} "
