@@ -38,7 +38,7 @@ TILE_LEVEL = {
     "kv_load_nvfp4": ("*(uint4*)(P ", "*(uint1*)(Out "),
     "kv_load_mxfp4": ("*(uint4*)(P ", "*(float2*)(Out "),
     "v4_decode_attention": ("wgmma", "buf_dyn_shmem", "tl::AllReduce", "uint4"),
-    "v4_decode_attention_nvfp4": ("wgmma", "buf_dyn_shmem", "tl::AllReduce"),
+    "v4_decode_attention_nvfp4": ("wgmma", "buf_dyn_shmem", "tl::AllReduce", "uint4"),
     "v4_decode_attention_combine": ("float4",),
     "sample": ("buf_dyn_shmem", "AllReduce", "float4", "__launch_bounds__(1024"),   # shared histograms
 }

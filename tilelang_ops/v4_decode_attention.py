@@ -105,17 +105,21 @@ def make_v4_decode_attention(H: int, D: int, W: int, K: int, dtype: str, splits:
                     for i, d in tl.parallel(BN, D):
                         kv[i, d] = T.if_then_else(n0 + i < W, Ring[b, T.min(n0 + i, W - 1), d], T.if_then_else(
                             n0 + i < W + K, Comp[b, T.min(T.max(n0 + i - W, 0), K - 1), d], T.Cast(dtype, 0)))
-                else:
-                    for i in tl.parallel(BN):
-                        pos = CompIdx[b, T.min(T.max(n0 + i - W, 0), K - 1)]
-                        slot[i] = T.Cast("int32", pool_row(CompTable, b, pos, BE))
-                    for i, g in tl.parallel(BN, NG):  # a padding row's scale is 0: its zeros are never keys
-                        scales[i, g] = T.if_then_else(T.And(n0 + i >= W, row_ok[i] != 0),
-                                                      group_scale(CompAux[slot[i], g], fmt, Scale[1]), 0.0)
-                    for i, d in tl.parallel(BN, D):
-                        kv[i, d] = T.if_then_else(n0 + i < W, Ring[b, T.min(n0 + i, W - 1), d], T.Cast(
-                            dtype, e2m1[T.bitwise_and(T.shift_right(T.Cast("int32", Comp[slot[i], d // 2]),
-                                                                     4 * (d % 2)), 15)] * scales[i, d // (D // NG)]))
+                else:  # two loops, each for the tiles that need it, so the ring rows keep their vector loads
+                    if n0 < W:
+                        for i, d in tl.parallel(BN, D):
+                            kv[i, d] = T.if_then_else(n0 + i < W, Ring[b, T.min(n0 + i, W - 1), d], T.Cast(dtype, 0))
+                    if n0 + BN > W:
+                        for i in tl.parallel(BN):
+                            pos = CompIdx[b, T.min(T.max(n0 + i - W, 0), K - 1)]
+                            slot[i] = T.Cast("int32", pool_row(CompTable, b, pos, BE))
+                        for i, g in tl.parallel(BN, NG):  # a padding row's scale is 0: its zeros are never keys
+                            scales[i, g] = T.if_then_else(T.And(n0 + i >= W, row_ok[i] != 0),
+                                                          group_scale(CompAux[slot[i], g], fmt, Scale[1]), 0.0)
+                        for i, d in tl.parallel(BN, D):
+                            if n0 + i >= W:
+                                kv[i, d] = T.Cast(dtype, scales[i, d // (D // NG)] * e2m1[T.bitwise_and(
+                                    T.shift_right(T.Cast("int32", Comp[slot[i], d // 2]), 4 * (d % 2)), 15)])
                 T.clear(acc_s)
                 T.gemm(q, kv, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 for h, i in tl.parallel(BH, BN):
