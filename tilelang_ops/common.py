@@ -63,14 +63,11 @@ class Tiles:
 
 
 def _serial_reduce(src, dst, dim, clear, op, init):
-    """T.reduce_* for the C target: src [n] -> dst [1], or src [r, c] along dim 1 -> [r] / dim 0 -> [c]."""
+    """T.reduce_* for the C target: src [n] -> dst [1], or src [r, c] along its last dim -> dst [r]."""
     two_d = len(src.shape) == 2
-    if two_d and dim in (0, -2):
-        outer, inner = src.shape[1], src.shape[0]
-        at = lambda i, j: src[j, i]  # noqa: E731
-    else:
-        outer, inner = (src.shape[0], src.shape[1]) if two_d else (1, src.shape[0])
-        at = (lambda i, j: src[i, j]) if two_d else (lambda i, j: src[j])  # noqa: E731
+    check(dim in (-1, len(src.shape) - 1), f"C-target reduction over dim {dim} of a {len(src.shape)}-d tile")
+    outer, inner = (src.shape[0], src.shape[1]) if two_d else (1, src.shape[0])
+    at = (lambda i, j: src[i, j]) if two_d else (lambda i, j: src[j])  # noqa: E731
 
     @T.macro
     def reduce():
