@@ -31,6 +31,10 @@ inline GemmMode kernel_mode(int id, bool invariant) {
   return GemmMode{static_cast<Isa>(id & (KERNEL_PANELS - 1)), invariant, (id & KERNEL_PANELS) != 0};
 }
 
+// Whether stream_rows (gemm_kernel.h) prefetches weights in software; defined in gemm_bf16.cpp, as the
+// ISA translation units must not define non-template code (the linker would keep one ISA's copy).
+bool stream_prefetch();
+
 constexpr int64_t GEMM_GROUP = 16;  // rows of x per outer-product group (the wide path)
 // AMX tiles (gemm_amx.cpp): 16 rows, of 32 bf16 (64 bytes) each.
 constexpr int64_t AMX_TILE_ROWS = 16, AMX_TILE_K = 32;

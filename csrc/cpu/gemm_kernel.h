@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "cpu/bf16.h"
-#include "cpu/cpu_features.h"
 #include "cpu/gemm_bf16.h"
 
 namespace deepinfer {
@@ -73,22 +72,13 @@ constexpr int64_t STREAM_MAX_K = 1024;
 // Software prefetch distance of stream_rows in bytes (1 KB beat 256 B and 4 KB, within noise).
 constexpr int64_t STREAM_PREFETCH = 1024;
 
-// Whether stream_rows prefetches weights in software. On the AVX2-only EPYCs (Zen 3) it read 1.15-1.3x
-// faster; on a Zen 4 (AVX-512) the hardware prefetchers alone stream the experts faster (one row, four
-// experts of K 1024 / 512: 17.5-24.0 -> 21.8-29.4 GB/s, medians of builds run alternately; the LM head
-// the same within noise), so CPUs with AVX-512 leave it to them.
-inline bool software_prefetch() {
-  static const bool on = !cpu_features().avx512f;
-  return on;
-}
-
 // Weight rows [n0, n1) one at a time, front to back, each against all R rows of x; A accumulators per
 // row of x hide the FMA latency.
 template <class V, int R, int A>
 void stream_rows(const typename V::xtype* x, const uint16_t* w, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   constexpr int L = V::LANES;
   const char* end = reinterpret_cast<const char*>(w + n1 * K);
-  const bool prefetch = software_prefetch();
+  const bool prefetch = stream_prefetch();
   for (int64_t n = n0; n < n1; ++n) {
     const uint16_t* row = w + n * K;
     typename V::reg acc[R][A];
