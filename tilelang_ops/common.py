@@ -47,19 +47,19 @@ class Tiles:
         return (T.alloc_shared if self.cuda else T.alloc_local)(shape, dtype)
 
     def reduce_max(self, src, dst, dim: int = -1, clear: bool = True):
-        if self.cuda:
-            return T.reduce_max(src, dst, dim=dim, clear=clear)
-        return _serial_reduce(src, dst, dim, clear, T.max, -T.infinity(src.dtype))
+        return self._reduce(T.reduce_max, T.max, -T.infinity(src.dtype), src, dst, dim, clear)
 
     def reduce_min(self, src, dst, dim: int = -1, clear: bool = True):
-        if self.cuda:
-            return T.reduce_min(src, dst, dim=dim, clear=clear)
-        return _serial_reduce(src, dst, dim, clear, T.min, T.max_value(src.dtype))
+        return self._reduce(T.reduce_min, T.min, T.max_value(src.dtype), src, dst, dim, clear)
 
     def reduce_sum(self, src, dst, dim: int = -1, clear: bool = True):
+        return self._reduce(T.reduce_sum, lambda a, b: a + b, T.Cast(src.dtype, 0), src, dst, dim, clear)
+
+    def _reduce(self, block_reduce, op, init, src, dst, dim, clear):
+        """block_reduce (T.reduce_*) across the threads on CUDA; on C a serial loop folding op from init."""
         if self.cuda:
-            return T.reduce_sum(src, dst, dim=dim, clear=clear)
-        return _serial_reduce(src, dst, dim, clear, lambda a, b: a + b, T.Cast(src.dtype, 0))
+            return block_reduce(src, dst, dim=dim, clear=clear)
+        return _serial_reduce(src, dst, dim, clear, op, init)
 
 
 def _serial_reduce(src, dst, dim, clear, op, init):
