@@ -106,7 +106,8 @@ def transport(sizes_mib=(1, 16, 64), n=8) -> list[dict]:
     for mib in sizes_mib:
         nbytes = mib << 20
         src = ray.remote(Source).options(num_cpus=0.5).remote(nbytes)
-        sink = ray.remote(Sink).options(num_cpus=0.5, max_concurrency=2).remote(nbytes, ray.get(src.ack_address.remote()))
+        sink = ray.remote(Sink).options(num_cpus=0.5, max_concurrency=2).remote(
+            nbytes, ray.get(src.ack_address.remote()))
         addr = ray.get(sink.address.remote())
         for way in ("zmq", "ray", "zmq", "ray"):  # interleaved: a warm-up of each, then the timed pass
             if way == "zmq":
@@ -125,7 +126,8 @@ def transport_table(rows: list[dict]) -> str:
     lines = ["| handoff MiB | zmq ms | Ray ms | zmq GB/s | Ray GB/s | Ray / zmq time |", "|---|---|---|---|---|---|"]
     for mib in sorted({r["MiB"] for r in rows}):
         z, r = [next(x for x in rows if x["MiB"] == mib and x["way"] == w) for w in ("zmq", "ray")]
-        lines.append(f"| {mib} | {z['ms']:.2f} | {r['ms']:.2f} | {z['GBps']:.2f} | {r['GBps']:.2f} | {r['ms'] / z['ms']:.2f}x |")
+        lines.append(f"| {mib} | {z['ms']:.2f} | {r['ms']:.2f} | {z['GBps']:.2f} | {r['GBps']:.2f} | "
+                     f"{r['ms'] / z['ms']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -189,7 +191,8 @@ def engines_table(rows: list[dict]) -> str:
     for r in rows:
         base.setdefault(r["model"], r["tok_s"])
         moved = f"{r['bytes_per_req'] / 1024:.1f} KiB" if "bytes_per_req" in r else "-"
-        formula = f"{r['formula_per_req'] / 1024:.1f} KiB ({'equal' if r['exact'] else 'DIFFERS'})" if "exact" in r else "-"
+        formula = (f"{r['formula_per_req'] / 1024:.1f} KiB ({'equal' if r['exact'] else 'DIFFERS'})" if "exact" in r
+                   else "-")
         n = len(r["outs"])
         same = f"{r['identical']}/{n} ({r['first_same']}/{n} first tokens)" if "identical" in r else "-"
         lines.append(f"| {r['model']} | {r['mode']} | {r['tok_s']:.1f} | {r['tok_s'] / base[r['model']]:.2f}x "

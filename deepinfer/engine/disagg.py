@@ -5,16 +5,17 @@ The front (`DisaggEngine`, in the caller's process) splits each request into its
 sends each child to a prefill engine (`PrefillBalancer`: context tier, then queued prompt tokens), naming
 the decode engine that will finish it (`DecodeBalancer`: running requests and total KV length), so the KV
 goes prefill -> decode directly over pyzmq (zero-copy frames, engine/kv_transfer.py) and never through the
-front. Engines report to the front on one channel: "prefilled" (first token drawn, KV sent), "received"
-(the handoff reached the decode engine), "imported", "finished". Ray only places and supervises the processes. With prefill_dp / decode_dp = k > 1 each engine
-is a DP group of k rank processes (DP attention, expert-parallel MoE, one voted step type per step, as in
-engine/dp.py); the balancers then see ranks, since each rank holds its own requests, KV and queue.
+front. Engines report to the front on one channel: "prefilled" (first token drawn, KV sent), "received" (the handoff
+reached the decode engine), "imported", "finished". Ray only places and supervises the processes. With prefill_dp /
+decode_dp = k > 1 each engine is a DP group of k rank processes (DP attention, expert-parallel MoE, one voted step
+type per step, as in engine/dp.py); the balancers then see ranks, since each rank holds its own requests, KV and
+queue.
 
-Faults: an engine that dies is noticed from its serve() call (a DP group dies whole: its other ranks are
-ended too); its unfinished children are prefilled again on survivors (a decode engine's KV is gone with it). A handoff not received within transfer_timeout_s (a
-connection cut mid-transfer loses the message) is prefilled again. Every try has its own key, so a late
-message of an abandoned try is ignored (and the engine holding it is told to abort it): each output is
-returned once. With no prefill or decode engine left, step() raises."""
+Faults: an engine that dies is noticed from its serve() call (a DP group dies whole: its other ranks are ended too);
+its unfinished children are prefilled again on survivors (a decode engine's KV is gone with it). A handoff not
+received within transfer_timeout_s (a connection cut mid-transfer loses the message) is prefilled again. Every try
+has its own key, so a late message of an abandoned try is ignored (and the engine holding it is told to abort it):
+each output is returned once. With no prefill or decode engine left, step() raises."""
 import dataclasses
 import logging
 import os
@@ -457,8 +458,8 @@ class DisaggEngine:
         late = [c for c in self.by_key.values()
                 if c.stage == "transfer" and now - c.sent_at > self.cfg.transfer_timeout_s]
         for child in late:
-            logger.warning("disaggregation: %s did not reach its decode engine within %.0f s; prefilling it again", child.key,
-                           self.cfg.transfer_timeout_s)
+            logger.warning("disaggregation: %s did not reach its decode engine within %.0f s; prefilling it again",
+                           child.key, self.cfg.transfer_timeout_s)
             self._retry(child)
 
     def abort_all(self) -> None:

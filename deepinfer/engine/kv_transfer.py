@@ -2,11 +2,11 @@
 pool: the paged blocks exactly as stored (FP4/FP8 bytes and scales, never dequantised), and the StateBlock
 (DeepSeek-V4: SWA rings and compression accumulators) either sent or rebuilt by replaying the last tokens.
 
-Bytes per handoff = blocks_for(context) x bytes_per_block + (bytes_per_state_block, or nothing when the
-receiver replays). Replay moves the replayed token ids instead (4 B each, and they travel anyway with the
-sequence), so it moves fewer bytes whenever the StateBlock outweighs them; it costs the receiver a prefill
-of those tokens, which is why "auto" replays only when the span is shorter than the context. Replay here is exact (it covers every layer's window, see replay_exact_tokens), so both
-ways give the same tokens."""
+Bytes per handoff = blocks_for(context) x bytes_per_block + (bytes_per_state_block, or nothing when the receiver
+replays). Replay moves the replayed token ids instead (4 B each, and they travel anyway with the sequence), so it
+moves fewer bytes whenever the StateBlock outweighs them; it costs the receiver a prefill of those tokens, which is
+why "auto" replays only when the span is shorter than the context. Replay here is exact (it covers every layer's
+window, see replay_exact_tokens), so both ways give the same tokens."""
 from dataclasses import dataclass, field
 
 import torch

@@ -1,13 +1,13 @@
 """An engine's prefix cache over the prefix KV store (engine/prefix_store.py), DeepInfer's 3FS role.
 
-A prompt's full blocks are stored once its prefill is done, content-addressed by the chained hash of the
-token prefix they complete. A later sequence whose prompt starts with stored blocks loads them (all but
-the block holding its last prompt token, whose logits it still needs) and prefills only the rest. A model
-with a StateBlock (DeepSeek-V4) needs the state at the end of the loaded prefix: the first sequence to
-reach a prefix rebuilds it by exact replay (engine/kv_transfer.py) and stores that snapshot beside the
-blocks (as DeepInfer keeps SWA state on disk), so later sequences, here or in another process, load it. The namespace seeds the hash chain with what
-makes blocks interchangeable (the weights, dtype, KV format and block size), so two models sharing one
-store never see each other's blocks."""
+A prompt's full blocks are stored once its prefill is done, content-addressed by the chained hash of the token
+prefix they complete. A later sequence whose prompt starts with stored blocks loads them (all but the block holding
+its last prompt token, whose logits it still needs) and prefills only the rest. A model with a StateBlock
+(DeepSeek-V4) needs the state at the end of the loaded prefix: the first sequence to reach a prefix rebuilds it by
+exact replay (engine/kv_transfer.py) and stores that snapshot beside the blocks (as DeepInfer keeps SWA state on
+disk), so later sequences, here or in another process, load it. The namespace seeds the hash chain with what makes
+blocks interchangeable (the weights, dtype, KV format, block size and cache layout), so two models sharing one store
+never see each other's blocks."""
 import hashlib
 import os
 
