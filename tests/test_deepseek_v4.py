@@ -513,19 +513,26 @@ def test_routing_softmax_and_grouped_experts_match_per_token_loop():
 
 
 def test_bf16_is_as_close_to_fp32_as_transformers_bf16(ckpt):
-    """bf16 weights run through the C++ kernel (fp32 accumulation) and fp32 attention; measured max
-    |dlogit| vs the fp32 reference: ours 0.038, transformers' bf16 0.042."""
+    """bf16 weights run through the C++ kernel (fp32 accumulation) and fp32 attention, against the fp32
+    reference over the last logits of four prompts. One prompt's max |dlogit| moves by 1.5x with the thread
+    counts (a bf16 rounding flipped early cascades), so the bound is on all four: measured on Zen 4 over
+    every torch / kernel thread count of 1 and 2, ours RMS 0.0183 and max 0.055-0.073, transformers' bf16
+    RMS 0.0165 and max 0.057."""
     from transformers import DeepseekV4ForCausalLM as HF
 
     path, hf32 = ckpt
-    prompt = prompt_of(70, 3)
-    with torch.no_grad():
-        ref = hf32(torch.tensor([prompt])).logits[0, -1].float()
-        theirs = HF.from_pretrained(path, dtype=torch.bfloat16)(torch.tensor([prompt])).logits[0, -1].float()
-    d = Driver(load_ours(path, torch.bfloat16))
-    d.add(0, prompt)
-    ours = d.step([0], True)[0]
-    assert (ours - ref).abs().max() <= 1.5 * (theirs - ref).abs().max() + 1e-3
+    hf16 = HF.from_pretrained(path, dtype=torch.bfloat16)
+    ours, theirs = [], []
+    for prompt in (prompt_of(70, 3), prompt_of(37, 2), prompt_of(19, 4), prompt_of(45, 5)):
+        with torch.no_grad():
+            ref = hf32(torch.tensor([prompt])).logits[0, -1].float()
+            theirs.append(hf16(torch.tensor([prompt])).logits[0, -1].float() - ref)
+        d = Driver(load_ours(path, torch.bfloat16))
+        d.add(0, prompt)
+        ours.append(d.step([0], True)[0] - ref)
+    ours, theirs = torch.stack(ours), torch.stack(theirs)
+    assert ours.pow(2).mean().sqrt() <= 1.25 * theirs.pow(2).mean().sqrt()
+    assert ours.abs().max() <= 1.5 * theirs.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
