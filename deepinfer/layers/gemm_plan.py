@@ -5,7 +5,7 @@ On CPUs with AMX tiles torch's oneDNN path was 2.6-6x faster than our vector ker
 AMX kernel beats it again up to ~128 rows (it reorders no weights), and oneDNN keeps prefill-sized M.
 Nothing is assumed:
 for each weight shape and bucket of row counts, every candidate that runs here is timed and the
-fastest kept. Plans are cached on disk by CPU, torch version, extension build and thread count.
+fastest kept, on weights read from memory as a decode step reads them (cold_copies). Plans are cached on disk by CPU, torch version, extension build and thread count.
 The engine calibrates its model's shapes at start (`prepare`) and logs the table; a shape first met
 later is calibrated on that call.
 
@@ -14,6 +14,7 @@ only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations only, a
 bf16), "torch-fp32" (F.linear on widened weights: MKL's sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel (each ISA)
 and torch-bf16, by the expert's row count.
 """
+import itertools
 import json
 import logging
 import math
@@ -31,6 +32,12 @@ logger = logging.getLogger("deepinfer")
 MAX_BUCKET = 512  # row buckets 1, 2, 4, ... 512; more rows use the 512 choice
 CAL_MAX_N = 4096  # wider outputs are timed on their first rows: the time is linear in N
 REPEATS = 3
+# Calibration cycles through copies of the weights that fill this much memory, more than the last-level cache
+# it shares: a decode step reads each weight once, from memory. Timed in cache, torch's bf16 GEMM won
+# N 1536 x K 1024 from 4 rows on a Zen 4 although our kernel streamed the same weights from memory
+# faster up to 16 rows. Tiny weights get at most MAX_COLD_COPIES copies (a model that small stays in cache).
+COLD_BYTES = 128 << 20
+MAX_COLD_COPIES = 64
 MIN_TIMED_S = 5e-4  # tiny GEMMs are looped to at least this long per timing
 PRUNE = 3.0
 # The panel form takes the outer products only from 10 rows (WIDE_MIN_ROWS in csrc/cpu/gemm_bf16.cpp), which
@@ -67,6 +74,14 @@ def torch_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: fl
     gate, up = F.linear(x.to(torch.bfloat16), w13).float().chunk(2, dim=-1)
     act = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     return F.linear(act.to(torch.bfloat16), w2).float()
+
+
+def cold_copies(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Copies of tensors filling COLD_BYTES (at least 2, at most MAX_COLD_COPIES): [(t1, t2, ...), ...]. All
+    candidates draw from one cycle over them, so each call reads the copy least recently read."""
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    count = min(MAX_COLD_COPIES, max(2, math.ceil(COLD_BYTES / max(size, 1))))
+    return [tuple(t.clone() for t in tensors) for _ in range(count)]
 
 
 def _seconds(fn) -> float:
@@ -195,12 +210,12 @@ class GemmPlan:
 
     def _calibrate_linear(self, dtype: torch.dtype, w: torch.Tensor, rows: list[int]) -> None:
         n, k = w.shape
-        w_cal = w[:CAL_MAX_N]
+        ring = itertools.cycle(cold_copies(w[:CAL_MAX_N]) if rows else [])
         gen = torch.Generator().manual_seed(0)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(dtype)
             paths = self.cpu_paths(dtype, m) + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
-            _, times = fastest({p: (lambda p=p: run_linear(p, x, w_cal, None)) for p in paths})
+            _, times = fastest({p: (lambda p=p: run_linear(p, x, next(ring)[0], None)) for p in paths})
             self.table[_key("linear", dtype, n, k, m)] = _choose(times)
             logger.debug("GEMM calibration linear %dx%d rows %d: %s", n, k, m, _fmt(times))
         self._save()
@@ -210,16 +225,22 @@ class GemmPlan:
         each of our ISAs and torch's bf16 GEMM; a row count's choice is its fastest."""
         e, two_i, h = w13.shape
         n_exp = min(e, platform.kernel_threads())
-        w13s, w2s = w13[:n_exp], w2[:n_exp]
+        ring = itertools.cycle(cold_copies(w13[:n_exp], w2[:n_exp]) if rows else [])
         gen = torch.Generator().manual_seed(0)
         for m in rows:
             x = torch.randn(m * n_exp, h, generator=gen)
             counts = torch.full((n_exp,), m)
-            cands = {p: (lambda p=p: cpu_ops.grouped_experts_bf16(x, counts, w13s, w2s, isa=p[4:]))
-                     for p in self.cpu_paths(rows=m)}
-            cands["torch-bf16"] = lambda: [torch_expert(x[i * m:(i + 1) * m], w13s[i], w2s[i], math.inf)
-                                           for i in range(n_exp)]
-            times = fastest(cands)[1]
+            paths = self.cpu_paths(rows=m) + ["torch-bf16"]
+
+            def run(path: str, m=m, x=x, counts=counts) -> None:
+                w13s, w2s = next(ring)
+                if path.startswith("cpu-"):
+                    cpu_ops.grouped_experts_bf16(x, counts, w13s, w2s, isa=path[4:])
+                    return
+                for i in range(n_exp):
+                    torch_expert(x[i * m:(i + 1) * m], w13s[i], w2s[i], math.inf)
+
+            times = fastest({p: (lambda p=p: run(p)) for p in paths})[1]
             self.table[_key("experts", h, two_i, m)] = _choose(times)
             logger.debug("GEMM calibration experts h %d 2i %d rows %d: %s", h, two_i, m, _fmt(times))
         self._save()
