@@ -5,7 +5,8 @@ On CPUs with AMX tiles torch's oneDNN path was 2.6-6x faster than our vector ker
 AMX kernel beats it again up to ~128 rows (it reorders no weights), and oneDNN keeps prefill-sized M.
 Nothing is assumed:
 for each weight shape and bucket of row counts, every candidate that runs here is timed and the
-fastest kept, on weights read from memory as a decode step reads them (cold_copies). Plans are cached on disk by CPU, torch version, extension build and thread count.
+fastest kept, on weights read from memory as a decode step reads them (cold_copies). Plans are cached
+on disk by CPU, torch version, extension build and thread count.
 The engine calibrates its model's shapes at start (`prepare`) and logs the table; a shape first met
 later is calibrated on that call.
 
@@ -35,7 +36,7 @@ REPEATS = 3
 # Calibration cycles through copies of the weights that fill this much memory, more than the last-level cache
 # it shares: a decode step reads each weight once, from memory. Timed in cache, torch's bf16 GEMM won
 # N 1536 x K 1024 from 4 rows on a Zen 4 although our kernel streamed the same weights from memory
-# faster up to 16 rows. Tiny weights get at most MAX_COLD_COPIES copies (a model that small stays in cache).
+# faster up to 31 rows. Tiny weights get at most MAX_COLD_COPIES copies (a model that small stays in cache).
 COLD_BYTES = 128 << 20
 MAX_COLD_COPIES = 64
 MIN_TIMED_S = 5e-4  # tiny GEMMs are looped to at least this long per timing
