@@ -4,7 +4,8 @@ Tiny random checkpoints from test_deepseek_v4 (fp32, rates CSA 4 / HCA 16, windo
 import pytest
 import torch
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, SamplingParams, _C
+from deepinfer.spec_decode import speculator
 from test_deepseek_v4 import (CONFIG_B, Driver, hf_greedy, load_ours, make_checkpoint, prompt_of, run_schedule,
                               teacher_forced_logits)
 
@@ -92,7 +93,13 @@ def test_verify_steps_and_rollback_match_decode_steps(v4, tmp_path, config):
     {"method": "replay", "num_draft_tokens": 4, "acceptance": 0.0, "verify": "all"},  # random drafts
     {"method": "replay", "num_draft_tokens": 2, "acceptance": 1.0, "verify": "all"},
 ])
-def test_greedy_speculation_is_lossless(v4, references, spec):
+def test_greedy_speculation_is_lossless(v4, references, spec, monkeypatch):
+    """Greedy outputs equal transformers' with every drafter and verify rule. The step-time curve is a fixed
+    gentle slope: this tiny model's measured curve is noise on a shared 2-vCPU box, and once a spike at 2-4
+    query tokens made the greedy verify none of the ngram drafts (CI, stop 33). The greedy against a curve
+    is tested in test_spec.py; here every case must verify drafts."""
+    monkeypatch.setattr(speculator, "step_time_curve",
+                        lambda engine, k: _C.StepTimeCurve([1.0, 64.0], [1.0, 1.63]))
     path, _ = v4
     spec = dict(spec, references=references) if spec["method"] == "replay" else spec
     llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=4, speculative=spec)
