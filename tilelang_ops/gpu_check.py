@@ -23,23 +23,24 @@ NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 def timed(dev, fn, *args, iters=20):
     """Median ms per call over iters (3 on the CPU), after a warm-up call (which also builds the kernel)."""
     fn(*args)
-    if dev == "cpu":
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn(*args)
-            times.append(1000 * (time.perf_counter() - start))
-        return sorted(times)[len(times) // 2]
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*args)
-        b.record()
+    if dev != "cpu":
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    times = sorted(_call_ms(dev, fn, *args) for _ in range(3 if dev == "cpu" else iters))
+    return times[len(times) // 2]
+
+
+def _call_ms(dev, fn, *args) -> float:
+    """One call's time: wall clock on the CPU, CUDA events (then a sync) on the GPU."""
+    if dev == "cpu":
+        start = time.perf_counter()
+        fn(*args)
+        return 1000 * (time.perf_counter() - start)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn(*args)
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
 
 
 def copy_bandwidth_gbs(nbytes=1 << 30):
@@ -162,6 +163,7 @@ def main(argv=None):
         print(f"| {name} | {err:.2e}{' FAIL' if err > tol else ''} | {tol:g} | {tk:.3f} | {tr:.3f} | "
               f"{tr / tk:.2f}x | {gbs} | {pct} |", flush=True)
     return int(bad > 0)
+
 
 if __name__ == "__main__":
     sys.exit(main())
