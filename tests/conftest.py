@@ -40,6 +40,13 @@ def _save_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+def our_kernel_path(dtype: torch.dtype, m: int, w: torch.Tensor, packed: bool = False) -> str:
+    """A GemmPlan.linear_path that keeps every linear on our kernels (the fused halves need them): the exact ISA,
+    or for weights the engine packed the kernel that reads them."""
+    from deepinfer.layers import cpu_ops
+    return f"cpu-{cpu_ops.PACKED_ISA if packed else cpu_ops.EXACT_ISA}"
+
+
 def make_llama(path: str, **overrides) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -8,6 +8,7 @@ from deepinfer.layers import cpu_ops, gemm_plan
 from deepinfer.layers.cpu_ops import GEMM_ISAS
 from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.models.llama import Attention
+from tests.conftest import our_kernel_path
 
 T, HIDDEN, H, HKV, D, BS, BLOCKS = 5, 64, 4, 2, 16, 4, 12
 
@@ -108,7 +109,7 @@ def test_engine_bf16_outputs_equal_without_fusion(fixture, request, monkeypatch)
 
     # Every linear on our kernel: the fused path needs it, and the unfused run must round as the fused one
     # does (on a CPU where torch's GEMM wins the tiny shapes the plan would send them there).
-    monkeypatch.setattr(gemm_plan.PLAN, "linear_path", lambda dtype, m, w: f"cpu-{cpu_ops.EXACT_ISA}")
+    monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     results = []
     real = Attention.fused_weights  # what both the per-layer and the all-layer (decoder_layers) fused paths take
     monkeypatch.setattr(Attention, "fused_weights", lambda *a: results.append(real(*a)) or results[-1])

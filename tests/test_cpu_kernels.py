@@ -11,6 +11,8 @@ from deepinfer.layers.rotary import RotaryEmbedding
 
 # Every kernel ISA this CPU runs, each with and without the batch-invariant reduction order.
 MODES = [(isa, inv) for isa in GEMM_ISAS for inv in (False, True)]
+# The kernel that reads weights packed in bf16 pairs, where this CPU has one.
+PACKED = [cpu_ops.PACKED_ISA] if cpu_ops.PACKED_ISA else []
 
 
 def kernel_input(x: torch.Tensor, isa: str) -> torch.Tensor:
@@ -57,18 +59,19 @@ def test_threaded_linear_is_bit_identical_to_one_thread(m, isa, monkeypatch):
 
 
 # Threads take whole experts: 2 splits the 4 active experts, 5 leaves threads without one.
-@pytest.mark.parametrize("isa, invariant", MODES)
+@pytest.mark.parametrize("isa, invariant, packed", [(*mode, False) for mode in MODES] + [(isa, False, True) for isa in PACKED])
 @pytest.mark.parametrize("threads", [1, 2, 5])
 @pytest.mark.parametrize("limit", [float("inf"), 0.7])
-def test_grouped_experts_match_loop_reference(limit, threads, isa, invariant, monkeypatch):
+def test_grouped_experts_match_loop_reference(limit, threads, isa, invariant, packed, monkeypatch):
     monkeypatch.setattr(platform, "kernel_threads", lambda: threads)
     g = torch.Generator().manual_seed(7)
-    e, h, i = 6, 40, 24
+    e, h, i = 6, 48, 24
     counts = torch.tensor([3, 0, 1, 5, 2, 0])
     x = torch.randn(int(counts.sum()), h, generator=g)
     w13 = torch.randn(e, 2 * i, h, generator=g).to(torch.bfloat16)
     w2 = torch.randn(e, h, i, generator=g).to(torch.bfloat16)
-    out = grouped_experts_bf16(x, counts, w13, w2, limit, isa=isa, invariant=invariant)
+    pack = cpu_ops.pack_bf16_pairs if packed else (lambda w: w)
+    out = grouped_experts_bf16(x, counts, pack(w13), pack(w2), limit, isa=isa, invariant=invariant, packed=packed)
     start, ref = 0, []
     for expert, c in enumerate(counts.tolist()):
         gate, up = F.linear(kernel_input(x[start:start + c], isa), w13[expert].float()).chunk(2, -1)
@@ -78,6 +81,47 @@ def test_grouped_experts_match_loop_reference(limit, threads, isa, invariant, mo
     # bf16 inputs: an activation a hair from a rounding boundary may round the other way (one bf16 step).
     tol = dict(rtol=1e-2, atol=2e-2) if isa in BF16_INPUT_ISAS else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, torch.cat(ref), **tol)
+
+
+def test_pack_bf16_pairs_lays_out_pairs_per_block_and_round_trips():
+    """[N, K] -> [N/16][K/2][16][2]: the pair (w[n, 2j], w[n, 2j + 1]) of block b at [b][j][n % 16]; a stack of
+    matrices packs as each alone; shapes the kernel cannot read are refused."""
+    w = torch.arange(32 * 6, dtype=torch.float32).reshape(32, 6).to(torch.bfloat16)  # integers < 256: exact
+    p = cpu_ops.pack_bf16_pairs(w)
+    assert p.shape == w.shape and torch.equal(cpu_ops.pack_bf16_pairs(p, unpack=True), w)
+    blocks = p.reshape(2, 3, 16, 2)
+    assert torch.equal(blocks[1, 2, 5], w[16 + 5, 4:6]) and torch.equal(blocks[0, 0, 15], w[15, 0:2])
+    stack = torch.randn(3, 48, 10).to(torch.bfloat16)
+    assert torch.equal(cpu_ops.pack_bf16_pairs(stack)[2], cpu_ops.pack_bf16_pairs(stack[2]))
+    for bad in (torch.zeros(24, 6), torch.zeros(32, 5)):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            cpu_ops.pack_bf16_pairs(bad.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", PACKED)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 40, 130])
+@pytest.mark.parametrize("k, n", [(64, 96), (38, 272), (1024, 1104)])
+def test_packed_linear_matches_reference_alone_in_a_batch_and_on_any_thread_count(m, k, n, isa, monkeypatch):
+    """Packed weights: the fp32 reference on bf16-rounded x; each row's bits are the same alone as in the batch
+    (every tile sums its lanes in k order), and on 1 or 2 threads (n 1104 splits over the pool)."""
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    wp = cpu_ops.pack_bf16_pairs(w)
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 1)
+    out = linear_bf16(x, wp, bias, isa=isa, packed=True)
+    torch.testing.assert_close(out, F.linear(kernel_input(x, isa), w.float(), bias.float()), rtol=1e-5, atol=1e-4)
+    for r in {0, m // 2, m - 1}:
+        assert torch.equal(linear_bf16(x[r:r + 1], wp, bias, isa=isa, packed=True), out[r:r + 1]), r
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 2)
+    assert torch.equal(linear_bf16(x, wp, bias, isa=isa, packed=True), out)
+
+
+def test_packed_weights_are_refused_by_kernels_that_read_rows():
+    w = torch.zeros(32, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot read packed weights"):
+        linear_bf16(torch.zeros(2, 8), w, isa=cpu_ops.EXACT_ISA, packed=True)
 
 
 def test_expert_activation_at_extreme_gates_and_nan():

@@ -10,6 +10,7 @@ from deepinfer.layers import cpu_ops, gemm_plan
 from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.models.qwen3_moe import SparseMoeBlock
+from tests.conftest import our_kernel_path
 
 LAYERS, EXPERTS = 3, 8
 
@@ -80,7 +81,7 @@ def test_engine_takes_one_call_per_decode_step_with_unchanged_outputs(tiny_qwen3
     prompts = [[5, 6, 7, 8, 9], [12, 13], [40, 41, 42, 43, 44, 45, 46, 47]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     # Every linear on our kernel, as test_attention_block's engine test does: the fused halves need it.
-    monkeypatch.setattr(gemm_plan.PLAN, "linear_path", lambda dtype, m, w: f"cpu-{cpu_ops.EXACT_ISA}")
+    monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
 
     def generate():
         llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20)

@@ -10,11 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer import LLM, SamplingParams, platform
-from deepinfer.layers import gemm_plan
+from deepinfer.layers import cpu_ops, gemm_plan
 from deepinfer.layers.cpu_ops import EXACT_ISA, GEMM_ISAS, grouped_experts_bf16, linear_bf16
 from deepinfer.layers.gemm_plan import GemmPlan, cold_copies, fastest, run_linear
 from deepinfer.layers.moe import FusedMoE
 from tests.conftest import make_qwen3_moe
+
+# The tiny Qwen3-MoE's experts as the plan names them: the engine packs them where a packed kernel runs (64 % 16 == 0).
+TINY_EXPERTS = "experts H 64 2I 64" + (" (packed)" if cpu_ops.PACKED_ISA else "")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,9 +104,11 @@ def test_skipped_experts_are_left_to_the_caller():
         grouped_experts_bf16(x, counts, w13, w2, skip=torch.tensor([True]))
 
 
-def test_experts_sent_to_torch_match_the_kernel(monkeypatch):
+@pytest.mark.parametrize("packed", [False] + ([True] if cpu_ops.PACKED_ISA else []))
+def test_experts_sent_to_torch_match_the_kernel(monkeypatch, packed):
     """A plan that sends experts of 2+ rows to torch's bf16 GEMM (as on AMX CPUs) splits one layer
-    between both paths; the result matches the all-kernel layer to bf16 rounding."""
+    between both paths; the result matches the all-kernel layer (on row-major weights) to bf16 rounding.
+    packed: the experts are packed in bf16 pairs, and torch's path unpacks each expert it runs."""
     g = torch.Generator().manual_seed(4)
     moe = FusedMoE(4, 32, 24, torch.bfloat16, limit=0.9)
     moe.gate_up_proj.data.copy_(torch.randn(4, 48, 32, generator=g))
@@ -112,17 +117,21 @@ def test_experts_sent_to_torch_match_the_kernel(monkeypatch):
     ids = torch.tensor([[0, 1], [1, 2], [1, 0], [3, 1], [2, 1], [1, 3], [0, 1]])
     weights = torch.rand(7, 2, generator=g)
     ref = moe(x, ids, weights)
+    if packed:
+        moe.pack_weights()
+        assert moe.packed
     plan = GemmPlan()
-    plan.expert_paths(moe.gate_up_proj, moe.down_proj, [1, 2, 4])  # calibrated, then overridden below
-    shape = (32, 48)
+    plan.expert_paths(moe.gate_up_proj, moe.down_proj, [1, 2, 4], packed)  # calibrated, then overridden below
+    key = (gemm_plan._expert_kind(packed), 32, 48)
     for rows in (2, 4):
-        plan.table[("experts", *shape, rows)] = "torch-bf16"
-    plan.table[("experts", *shape, 1)] = plan.cpu_paths()[-1]
+        plan.table[(*key, rows)] = "torch-bf16"
+    plan.table[(*key, 1)] = plan.cpu_paths(packed=packed)[-1]
     monkeypatch.setattr(gemm_plan, "PLAN", plan)
     monkeypatch.setattr("deepinfer.layers.moe.PLAN", plan)
-    kernel, via_torch = plan.expert_paths(moe.gate_up_proj, moe.down_proj, [3, 7, 2, 2])
+    kernel, via_torch = plan.expert_paths(moe.gate_up_proj, moe.down_proj, [3, 7, 2, 2], packed)
     assert kernel.startswith("cpu-") and via_torch == [0, 1, 2, 3]
-    assert plan.expert_paths(moe.gate_up_proj, moe.down_proj, [3, 1, 0, 1]) == (plan.cpu_paths()[-1], [0])
+    assert plan.expert_paths(moe.gate_up_proj, moe.down_proj, [3, 1, 0, 1], packed) == \
+        (plan.cpu_paths(packed=packed)[-1], [0])
     out = moe(x, ids, weights)
     assert (out - ref).norm() / ref.norm() < 1e-2  # torch's path rounds its two GEMMs' outputs to bf16
 
@@ -146,7 +155,7 @@ def test_engine_logs_its_plan_and_batch_invariant_pins_the_kernel(tiny_qwen3_moe
     try:
         LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8)
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GEMM plan")]
-        assert any(line.startswith("GEMM plan: experts H 64 2I 64: 1") for line in lines), lines
+        assert any(line.startswith(f"GEMM plan: {TINY_EXPERTS}: 1") for line in lines), lines
         assert any(line.startswith("GEMM plan: linear bfloat16 N 262 K 64: 1") for line in lines), lines
         LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8, batch_invariant=True)
         assert gemm_plan.PLAN.linear_path(torch.bfloat16, 64, torch.zeros(8, 8, dtype=torch.bfloat16)) == \
@@ -220,7 +229,7 @@ def test_describe_lists_the_prepared_models_shapes_only(tiny_qwen3_moe, monkeypa
     lines = plan.describe()
     assert not any("N 40 K 24" in line for line in lines)
     assert any(("linear", torch.bfloat16, 40, 24, 1) in table for table in plan._tables.values())
-    assert any(line.startswith("experts H 64 2I 64: 1") for line in lines), lines
+    assert any(line.startswith(f"{TINY_EXPERTS}: 1") for line in lines), lines
 
 
 def test_our_kernel_must_beat_torch_bf16_clearly_to_replace_it():

@@ -28,9 +28,14 @@ def reference(block, norm, x, a):
     return x1 + block(norm(x1))
 
 
+@pytest.mark.parametrize("packed", [False] + ([True] if cpu_ops.PACKED_ISA else []))
 @pytest.mark.parametrize("t", [1, 5, 40])
-def test_fused_half_layer_matches_the_torch_modules(t):
+def test_fused_half_layer_matches_the_torch_modules(t, packed):
+    """packed: both run the experts packed in bf16 pairs, as the engine does on CPUs with a packed kernel."""
     block, norm = make_block(torch.bfloat16)
+    if packed:
+        block.experts.pack_weights()
+        assert block.experts.packed
     g = torch.Generator().manual_seed(t)
     x, a = (torch.randn(t, 64, generator=g).bfloat16() for _ in range(2))
     fused = block.fused_residual(x, a, norm)

@@ -25,7 +25,8 @@
 namespace deepinfer {
 
 void gemm_columns_avx512bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
-                             int64_t n0, int64_t n1, bool invariant) {
+                             int64_t n0, int64_t n1, bool invariant, bool packed) {
+  if (packed) return kernel::pair_columns<Avx512Bf16>(x, w, out, M, K, N, n0, n1);
   kernel::gemm_columns<Avx512Bf16>(x, nullptr, 0, w, out, M, K, N, n0, n1, invariant);
 }
 

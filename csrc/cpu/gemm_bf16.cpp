@@ -22,7 +22,7 @@ namespace deepinfer {
 void gemm_columns_avx512(const float* x, const float* xt, int64_t wide, const uint16_t* w, float* out, int64_t M,
                          int64_t K, int64_t N, int64_t n0, int64_t n1, bool invariant);
 void gemm_columns_avx512bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
-                             int64_t n0, int64_t n1, bool invariant);
+                             int64_t n0, int64_t n1, bool invariant, bool packed);
 void pack_x_amx(const uint16_t* xb, int64_t Mp, int64_t Kp, uint16_t* xv);
 void gemm_columns_amx(const uint16_t* xv, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t Kp,
                       int64_t N, int64_t n0, int64_t n1);
@@ -72,13 +72,13 @@ std::vector<float> transpose_x(const float* x, int64_t M, int64_t K) {
 }
 
 // x_bf16: x rounded to bf16 (for AVX512_BF16, [M, K]; for AMX, in VNNI tiles with k padded to xk).
-void gemm_columns(Isa isa, const float* x, const uint16_t* x_bf16, int64_t xk, const float* xt, int64_t wide,
-                  const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
-                  bool invariant) {
+void gemm_columns(GemmMode mode, Isa isa, const float* x, const uint16_t* x_bf16, int64_t xk, const float* xt,
+                  int64_t wide, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   if (isa == Isa::AMX) return gemm_columns_amx(x_bf16, w, out, M, K, xk, N, n0, n1);
-  if (isa == Isa::AVX512_BF16) return gemm_columns_avx512bf16(x_bf16, w, out, M, K, N, n0, n1, invariant);
-  if (isa == Isa::AVX512) return gemm_columns_avx512(x, xt, wide, w, out, M, K, N, n0, n1, invariant);
-  kernel::gemm_columns<Avx2>(x, xt, wide, w, out, M, K, N, n0, n1, invariant);
+  if (isa == Isa::AVX512_BF16)
+    return gemm_columns_avx512bf16(x_bf16, w, out, M, K, N, n0, n1, mode.invariant, mode.packed);
+  if (isa == Isa::AVX512) return gemm_columns_avx512(x, xt, wide, w, out, M, K, N, n0, n1, mode.invariant);
+  kernel::gemm_columns<Avx2>(x, xt, wide, w, out, M, K, N, n0, n1, mode.invariant);
 }
 
 // act[i] = silu(min(g, limit)) * clamp(u, -limit, limit) for gate_up = [g | u] (I each); act may alias
@@ -142,7 +142,7 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
     xbp = tiles ? xv.data() : xb.data();
   }
   auto range = [&](int64_t n0, int64_t n1) {
-    gemm_columns(isa, xp, xbp, xk, xt.data(), wide, w, out, M, K, N, n0, n1, mode.invariant);
+    gemm_columns(mode, isa, xp, xbp, xk, xt.data(), wide, w, out, M, K, N, n0, n1);
   };
   // Split N across threads only when each gets enough work to beat the wake-up cost.
   int threads = threads_for(N * K, num_threads, 1 << 20);
@@ -151,6 +151,15 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
   chunk = (chunk + COLUMN_ALIGN - 1) / COLUMN_ALIGN * COLUMN_ALIGN;
   parallel_for((N + chunk - 1) / chunk, threads,
                [&](int64_t t) { range(t * chunk, std::min(N, (t + 1) * chunk)); });
+}
+
+void pack_bf16_pairs(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool unpack) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t packed = ((n / PAIR_BLOCK * (K / 2) + k / 2) * PAIR_BLOCK + n % PAIR_BLOCK) * 2 + k % 2;
+      if (unpack) dst[n * K + k] = src[packed];
+      else dst[packed] = src[n * K + k];
+    }
 }
 
 void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,

@@ -22,6 +22,7 @@ struct GemmMode {
   Isa isa = Isa::AVX2;
   bool invariant = false;
   bool panels = false;
+  bool packed = false;  // w in bf16 pairs (pack_bf16_pairs); AVX512_BF16 only
 };
 
 // A kernel's id as the plan names it (cpu_features()["gemm_isas"]): its Isa, plus KERNEL_PANELS for
@@ -38,6 +39,13 @@ bool stream_prefetch();
 constexpr int64_t GEMM_GROUP = 16;  // rows of x per outer-product group (the wide path)
 // AMX tiles (gemm_amx.cpp): 16 rows, of 32 bf16 (64 bytes) each.
 constexpr int64_t AMX_TILE_ROWS = 16, AMX_TILE_K = 32;
+// Packed weights (pair_tile in gemm_kernel.h): output columns per panel (one AVX-512 vector of fp32 sums), and
+// the rows of x one pass over the panels serves (8 rows x 3 panels: 24 accumulators).
+constexpr int64_t PAIR_BLOCK = 16, PAIR_ROWS = 8;
+
+// w [N, K] bf16 <-> wp [N/PAIR_BLOCK][K/2][PAIR_BLOCK][2] (N a multiple of PAIR_BLOCK, K even): the layout
+// GemmMode::packed reads. unpack: wp -> w.
+void pack_bf16_pairs(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool unpack);
 
 // out[M,N] fp32 = x[M,K] @ w[N,K]^T; x fp32, or bf16 when x_bf16 (read as it is by the bf16-pair ISAs, which
 // round fp32 x to bf16 first; widened for the others).

@@ -33,13 +33,17 @@ std::vector<std::pair<const char*, int>> gemm_kernels() {
           {"avx512", avx512}, {"avx512bf16", static_cast<int>(Isa::AVX512_BF16)}, {"amx", static_cast<int>(Isa::AMX)}};
 }
 
-// A kernel the CPU lacks would fault on its first instruction: refuse it as a Python error.
-GemmMode gemm_mode(int id, bool invariant) {
+// A kernel the CPU lacks would fault on its first instruction: refuse it as a Python error. packed: the
+// weights are in bf16 pairs, which only the AVX512-BF16 kernel reads.
+GemmMode gemm_mode(int id, bool invariant, bool packed = false) {
   for (auto [name, known] : gemm_kernels()) {
     if (known != id) continue;
     GemmMode mode = kernel_mode(id, invariant);
     if (!isa_supported(mode.isa))
       throw py::value_error(std::string("GEMM kernel ") + name + " is not supported by this CPU");
+    if (packed && mode.isa != Isa::AVX512_BF16)
+      throw py::value_error(std::string("GEMM kernel ") + name + " cannot read packed weights (avx512bf16 only)");
+    mode.packed = packed;
     return mode;
   }
   throw py::value_error("unknown GEMM kernel id " + std::to_string(id));
@@ -95,8 +99,8 @@ void bind_cpu_kernels(py::module_& m) {
   m.def(
       "linear_bf16",
       [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, bool bf16_io, int64_t M, int64_t K, int64_t N,
-         int isa, bool invariant, int threads) {
-        GemmMode mode = gemm_mode(isa, invariant);
+         int isa, bool invariant, bool packed, int threads) {
+        GemmMode mode = gemm_mode(isa, invariant, packed);
         py::gil_scoped_release release;
         linear_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const uint16_t*>(w),
                     reinterpret_cast<const uint16_t*>(bias), reinterpret_cast<void*>(out), bf16_io, M, K, N, mode,
@@ -104,10 +108,20 @@ void bind_cpu_kernels(py::module_& m) {
       },
       "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N] bf16, 0 for none); x and out both fp32 or both bf16 (bf16_io)");
   m.def(
+      "pack_bf16_pairs",
+      [](uintptr_t src, uintptr_t dst, int64_t N, int64_t K, bool unpack) {
+        if (N % PAIR_BLOCK || K % 2)
+          throw py::value_error("pack_bf16_pairs: N must be a multiple of " + std::to_string(PAIR_BLOCK) +
+                                " and K even, got N " + std::to_string(N) + ", K " + std::to_string(K));
+        py::gil_scoped_release release;
+        pack_bf16_pairs(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<uint16_t*>(dst), N, K, unpack);
+      },
+      "w [N,K] bf16 -> dst [N/16][K/2][16][2] (the layout packed GEMMs read), or back when unpack");
+  m.def(
       "grouped_experts_bf16",
       [](uintptr_t x, uintptr_t offsets, int64_t E, uintptr_t skip, uintptr_t w13, uintptr_t w2, uintptr_t y,
-         int64_t H, int64_t I, float limit, int isa, bool invariant, int threads) {
-        GemmMode mode = gemm_mode(isa, invariant);
+         int64_t H, int64_t I, float limit, int isa, bool invariant, bool packed, int threads) {
+        GemmMode mode = gemm_mode(isa, invariant, packed);
         py::gil_scoped_release release;
         grouped_experts_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<const int64_t*>(offsets), E,
                              reinterpret_cast<const uint8_t*>(skip), reinterpret_cast<const uint16_t*>(w13),
@@ -120,8 +134,8 @@ void bind_cpu_kernels(py::module_& m) {
       "moe_experts_bf16",
       [](uintptr_t x, uintptr_t ids, uintptr_t weights, bool bf16, int64_t T, int64_t k, int64_t E, uintptr_t skip,
          uintptr_t w13, uintptr_t w2, uintptr_t y, int64_t H, int64_t I, float limit, int isa, bool invariant,
-         int threads) {
-        GemmMode mode = gemm_mode(isa, invariant);
+         bool packed, int threads) {
+        GemmMode mode = gemm_mode(isa, invariant, packed);
         bool ok;
         {
           py::gil_scoped_release release;
@@ -140,31 +154,31 @@ void bind_cpu_kernels(py::module_& m) {
                        uintptr_t qkv, uintptr_t qkv_bias, int qkv_isa, uintptr_t q_norm, uintptr_t k_norm, float qk_eps,
                        uintptr_t cos, uintptr_t sin, int64_t num_positions, uintptr_t k_cache, uintptr_t v_cache,
                        int64_t num_blocks, int64_t block_size, uintptr_t o, uintptr_t o_bias, int o_isa, float scale,
-                       bool invariant) {
+                       bool invariant, bool qkv_packed, bool o_packed) {
         AttentionBlock b;
         b.hidden = hidden, b.heads = heads, b.kv_heads = kv_heads, b.head_dim = head_dim;
         b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
         b.qkv = reinterpret_cast<const uint16_t*>(qkv), b.qkv_bias = reinterpret_cast<const uint16_t*>(qkv_bias);
-        b.qkv_mode = gemm_mode(qkv_isa, invariant);
+        b.qkv_mode = gemm_mode(qkv_isa, invariant, qkv_packed);
         b.q_norm = reinterpret_cast<const void*>(q_norm), b.k_norm = reinterpret_cast<const void*>(k_norm);
         b.qk_eps = qk_eps, b.cos = reinterpret_cast<const float*>(cos), b.sin = reinterpret_cast<const float*>(sin);
         b.num_positions = num_positions, b.k_cache = reinterpret_cast<void*>(k_cache);
         b.v_cache = reinterpret_cast<void*>(v_cache), b.num_blocks = num_blocks, b.block_size = block_size;
         b.o = reinterpret_cast<const uint16_t*>(o), b.o_bias = reinterpret_cast<const uint16_t*>(o_bias);
-        b.o_mode = gemm_mode(o_isa, invariant), b.scale = scale;
+        b.o_mode = gemm_mode(o_isa, invariant, o_packed), b.scale = scale;
         return b;
       }));
   py::class_<MoeBlock>(m, "MoeBlock", "a Qwen3-MoE layer's second-half weights, checked by cpu_ops.moe_block_weights")
       .def(py::init([](int64_t H, int64_t I, uintptr_t norm_w, float eps, uintptr_t gate, int64_t num_logical,
                        int64_t top_k, bool renorm, int gate_isa, int64_t num_physical, uintptr_t w13, uintptr_t w2,
-                       const std::vector<int>& expert_isa, bool invariant) {
+                       const std::vector<int>& expert_isa, bool invariant, bool packed, bool gate_packed) {
         MoeBlock b;
         b.H = H, b.I = I, b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
         b.gate = reinterpret_cast<const uint16_t*>(gate), b.num_logical = num_logical, b.top_k = top_k;
-        b.renorm = renorm, b.gate_mode = gemm_mode(gate_isa, invariant);
+        b.renorm = renorm, b.gate_mode = gemm_mode(gate_isa, invariant, gate_packed);
         b.num_physical = num_physical, b.w13 = reinterpret_cast<const uint16_t*>(w13);
-        b.w2 = reinterpret_cast<const uint16_t*>(w2), b.invariant = invariant;
-        for (int isa : expert_isa) gemm_mode(isa, invariant);  // each must run on this CPU
+        b.w2 = reinterpret_cast<const uint16_t*>(w2), b.invariant = invariant, b.packed = packed;
+        for (int isa : expert_isa) gemm_mode(isa, invariant, packed);  // each must run on this CPU and these weights
         if (expert_isa.empty()) throw py::value_error("moe_block: expert_isa is empty");
         b.expert_isa = expert_isa;
         return b;

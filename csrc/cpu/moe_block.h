@@ -26,6 +26,7 @@ struct MoeBlock {
   // last for all above.
   std::vector<int> expert_isa;
   bool invariant = false;
+  bool packed = false;             // w13, w2 in bf16 pairs (pack_bf16_pairs)
 };
 
 // out [T, H] = x1 + round(moe(rms_norm(x1))) with x1 = round(x + a); x, a, out all fp32 or all bf16 (bf16); out

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace deepinfer {
 
@@ -57,6 +58,12 @@ struct Avx512Bf16 : Avx512 {
 
   static xreg load_x(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static wreg load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  // The pair p[0], p[1] in every lane (packed weights' x operand).
+  static xreg broadcast_pair(const uint16_t* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+  }
   static reg fma(xreg x, wreg w, reg acc) { return _mm512_dpbf16_ps(acc, x, w); }
   static float x_at(const uint16_t* x, int64_t i) { return from_bf16(x[i]); }
 };

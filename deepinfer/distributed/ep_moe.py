@@ -122,4 +122,5 @@ def shard_experts(experts: FusedMoE, slots: range) -> FusedMoE:
     local = FusedMoE(len(slots), H, two_i // 2, experts.gate_up_proj.dtype, experts.limit)
     local.gate_up_proj = nn.Parameter(experts.gate_up_proj.data[idx].clone(), requires_grad=False)
     local.down_proj = nn.Parameter(experts.down_proj.data[idx].clone(), requires_grad=False)
+    local.packed = experts.packed
     return local

@@ -18,10 +18,11 @@ from deepinfer.engine.eplb import EplbConfig, EplbState
 from deepinfer.engine.kv_transfer import Handoff, StateTransfer
 from deepinfer.engine.prefix_cache import PrefixCache
 from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.layers import gemm_plan
+from deepinfer.layers import cpu_ops, gemm_plan
+from deepinfer.layers.linear import pack_linears
 from deepinfer.layers.logits_processors import LogitsContext, bad_words_token_ids, needs_processing
 from deepinfer.layers.structured_output import GrammarCompiler, SequenceGrammar
-from deepinfer.layers.moe import balanced_moe_blocks
+from deepinfer.layers.moe import balanced_moe_blocks, pack_experts
 from deepinfer.layers.sampler import SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -88,6 +89,10 @@ class LLMEngine:
             prepare_model(self.model, spec_cfg)
         logger.info("weights on huge pages: %.0f MiB", memory.to_huge_pages(self.model) / 2**20)
         gemm_plan.PLAN.invariant = config.batch_invariant
+        # The packed kernel rounds activations to bf16; batch_invariant keeps the exact fp32-input kernel.
+        if cpu_ops.PACKED_ISA and config.dtype == torch.bfloat16 and not config.batch_invariant:
+            logger.info("weights packed in bf16 pairs (%s): %d expert groups, %d linears", cpu_ops.PACKED_ISA,
+                        pack_experts(self.model), pack_linears(self.model))
         gemm_plan.PLAN.prepare(self.model, config.dtype, max(config.max_num_batched_tokens, config.max_num_seqs),
                                config.max_num_seqs * (1 + (spec_cfg.num_draft_tokens if spec_cfg else 0)))
         spec = self.model.cache_spec(config.block_size, config.kv_cache_dtype)

@@ -15,6 +15,10 @@ GEMM_ISAS = dict(reversed(_C.cpu_features()["gemm_isas"]))
 BF16_INPUT_ISAS = {"avx512bf16", "amx"}
 # The default ISA: the fastest that keeps fp32 activations exact.
 EXACT_ISA = next(isa for isa in GEMM_ISAS if isa not in BF16_INPUT_ISAS)
+# The ISA that reads weights packed in bf16 pairs (pack_bf16_pairs), where packing pays: on CPUs with
+# AVX512-BF16 and no AMX tiles (AMX's kernel reads row-major weights; packed ones are unmeasured there).
+PACKED_ISA = "avx512bf16" if "avx512bf16" in GEMM_ISAS and "amx" not in GEMM_ISAS else None
+PAIR_BLOCK = 16  # output rows per packed panel (PAIR_BLOCK in csrc/cpu/gemm_bf16.h)
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) -> None:
@@ -52,11 +56,27 @@ def _isa_id(isa: str | None) -> int:
     return GEMM_ISAS[isa]
 
 
+def can_pack(*weights: torch.Tensor) -> bool:
+    """Whether these bf16 weights [..., N, K] can be packed here: a PACKED_ISA, N a multiple of PAIR_BLOCK, K even."""
+    return PACKED_ISA is not None and all(
+        w.dtype == torch.bfloat16 and w.shape[-2] % PAIR_BLOCK == 0 and w.shape[-1] % 2 == 0 for w in weights)
+
+
+def pack_bf16_pairs(w: torch.Tensor, unpack: bool = False) -> torch.Tensor:
+    """w [..., N, K] bf16 -> the same shape holding each matrix as [N/16][K/2][16][2]: per 16 outputs, each pair
+    of k's weights side by side (what the kernels read with packed=True); unpack: the inverse."""
+    _check(w, "w", torch.bfloat16, w.dim())
+    n, k = w.shape[-2:]
+    out = torch.empty_like(w)
+    _C.pack_bf16_pairs(w.data_ptr(), out.data_ptr(), w.numel() // k, k, unpack)  # blocks never cross matrices
+    return out
+
+
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None,
-                invariant: bool = False) -> torch.Tensor:
+                invariant: bool = False, packed: bool = False) -> torch.Tensor:
     """x [..., K] fp32 or bf16; w [N, K] bf16; bias [N] bf16 or None -> [..., N] in x.dtype (fp32
     accumulation, one rounding to x.dtype). isa: a key of GEMM_ISAS (None: EXACT_ISA); invariant: the
-    same reduction order for every M (batch-invariant results)."""
+    same reduction order for every M (batch-invariant results); packed: w is pack_bf16_pairs(...) (isa PACKED_ISA)."""
     _check(w, "weight", torch.bfloat16, 2)
     n, k = w.shape
     if x.shape[-1] != k:
@@ -67,17 +87,18 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, k).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=x.dtype)
     _C.linear_bf16(x2.data_ptr(), w.data_ptr(), _ptr(bias), out.data_ptr(),
-                   x.dtype == torch.bfloat16, x2.shape[0], k, n, _isa_id(isa), invariant, platform.kernel_threads())
+                   x.dtype == torch.bfloat16, x2.shape[0], k, n, _isa_id(isa), invariant, packed,
+                   platform.kernel_threads())
     return out.reshape(*x.shape[:-1], n)
 
 
 def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          limit: float = float("inf"), skip: torch.Tensor | None = None, isa: str | None = None,
-                         invariant: bool = False) -> torch.Tensor:
+                         invariant: bool = False, packed: bool = False) -> torch.Tensor:
     """x [S, H] fp32 rows sorted by expert; counts [E] rows per expert; w13 [E, 2I, H] bf16 (gate
     rows, then up); w2 [E, H, I] bf16 -> [S, H] fp32, each row through its expert's SwiGLU with
     gate <= limit and |up| <= limit (swiglu_limit; inf: none). skip [E] bool: experts whose rows the
-    caller computes (their rows are left unwritten). isa, invariant: as linear_bf16 (a BF16_INPUT_ISAS
+    caller computes (their rows are left unwritten). isa, invariant, packed: as linear_bf16 (a BF16_INPUT_ISAS
     kernel rounds x and the SwiGLU output to bf16 before each GEMM, as torch's bf16 experts do)."""
     _check(x, "x", torch.float32, 2)
     _check(w13, "w13", torch.bfloat16, 3)
@@ -94,16 +115,16 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     y = torch.empty_like(x)
     _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, _ptr(skip8),
                             w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h, two_i // 2, float(limit), _isa_id(isa),
-                            invariant, platform.kernel_threads())
+                            invariant, packed, platform.kernel_threads())
     return y
 
 
 def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, limit: float = float("inf"), skip: torch.Tensor | None = None,
-                     isa: str | None = None, invariant: bool = False) -> torch.Tensor:
+                     isa: str | None = None, invariant: bool = False, packed: bool = False) -> torch.Tensor:
     """x [T, H]; topk_ids [T, k] expert ids; topk_weights [T, k] in x.dtype (fp32 or bf16); w13 [E, 2I, H], w2
     [E, H, I] bf16 -> [T, H] fp32: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SwiGLU clamped at
-    limit. skip [E] bool: experts the caller adds itself. isa, invariant: as linear_bf16."""
+    limit. skip [E] bool: experts the caller adds itself. isa, invariant, packed: as linear_bf16."""
     _check(x, "x", STREAM_DTYPES, 2)
     _check(w13, "w13", torch.bfloat16, 3)
     _check(w2, "w2", torch.bfloat16, 3)
@@ -121,7 +142,7 @@ def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     y = torch.empty(t, h)
     _C.moe_experts_bf16(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), x.dtype == torch.bfloat16, t, ids.shape[1],
                         e, _ptr(skip8), w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h,
-                        two_i // 2, float(limit), _isa_id(isa), invariant, platform.kernel_threads())
+                        two_i // 2, float(limit), _isa_id(isa), invariant, packed, platform.kernel_threads())
     return y
 
 
@@ -129,9 +150,10 @@ def attention_block_weights(norm_w: torch.Tensor, eps: float, qkv_w: torch.Tenso
                             qkv_isa: str, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_eps: float,
                             cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             o_w: torch.Tensor, o_bias: torch.Tensor | None, o_isa: str, num_heads: int, scale: float,
-                            invariant: bool = False) -> tuple:
+                            invariant: bool = False, qkv_packed: bool = False, o_packed: bool = False) -> tuple:
     """Checks a decoder layer's attention weights once and returns them as attention_block's `weights`: norm_w
-    [hidden]; qkv_w [(H + 2 Hkv) D, hidden], o_w [hidden, H D] bf16 (biases bf16 or None) on qkv_isa / o_isa
+    [hidden]; qkv_w [(H + 2 Hkv) D, hidden], o_w [hidden, H D] bf16 (biases bf16 or None; qkv_packed / o_packed:
+    the weight is pack_bf16_pairs(...)) on qkv_isa / o_isa
     (keys of GEMM_ISAS); q_norm, k_norm [D] or None; cos, sin [positions, D] fp32; k_cache, v_cache [blocks,
     block_size, Hkv, D]. Norm weights and caches share the activations' dtype (fp32/bf16). The tensors must
     outlive every call that is given the result."""
@@ -154,7 +176,7 @@ def attention_block_weights(norm_w: torch.Tensor, eps: float, qkv_w: torch.Tenso
                                             _ptr(qkv_bias), _isa_id(qkv_isa), _ptr(q_norm), _ptr(k_norm), float(qk_eps),
                                             cos.data_ptr(), sin.data_ptr(), cos.shape[0], k_cache.data_ptr(),
                                             v_cache.data_ptr(), blocks, block_size, o_w.data_ptr(), _ptr(o_bias),
-                                            _isa_id(o_isa), float(scale), invariant)
+                                            _isa_id(o_isa), float(scale), invariant, qkv_packed, o_packed)
 
 
 def attention_block(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -189,11 +211,12 @@ def _decode_inputs(name: str, x: torch.Tensor, dtype: torch.dtype, hidden: int, 
 
 def moe_block_weights(norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_k: int, renorm: bool,
                       w13: torch.Tensor, w2: torch.Tensor, gate_isa: str, expert_isas: list[str],
-                      invariant: bool = False) -> tuple:
+                      invariant: bool = False, packed: bool = False, gate_packed: bool = False) -> tuple:
     """Checks a Qwen3-MoE layer's second-half weights once and returns them as moe_block's `weights`: norm_w [H]
     (the activations' dtype, fp32/bf16); the softmax top_k router gate [E_logical, H] bf16 (renormalised when
     renorm) on gate_isa; experts w13 [E, 2I, H], w2 [E, H, I] bf16; expert_isas[i]: the grouped kernel's ISA
-    when the busiest expert has 2^i.. rows (ISAs: keys of GEMM_ISAS). The tensors must outlive the result's use."""
+    when the busiest expert has 2^i.. rows (ISAs: keys of GEMM_ISAS); packed, gate_packed: the experts, the router
+    are pack_bf16_pairs(...). The tensors must outlive the result's use."""
     _check(norm_w, "norm_w", STREAM_DTYPES, 1)
     _check(gate, "gate", torch.bfloat16, 2)
     _check(w13, "w13", torch.bfloat16, 3)
@@ -206,7 +229,8 @@ def moe_block_weights(norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_
                          f"{top_k}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, {len(expert_isas)} expert ISAs")
     return norm_w.dtype, h, gate.shape[0], _C.MoeBlock(h, two_i // 2, norm_w.data_ptr(), float(eps), gate.data_ptr(),
                                                       gate.shape[0], top_k, renorm, _isa_id(gate_isa), e, w13.data_ptr(),
-                                                      w2.data_ptr(), [_isa_id(i) for i in expert_isas], invariant)
+                                                      w2.data_ptr(), [_isa_id(i) for i in expert_isas], invariant,
+                                                      packed, gate_packed)
 
 
 def moe_block(x: torch.Tensor, a: torch.Tensor, weights: tuple, counts: torch.Tensor | None = None,

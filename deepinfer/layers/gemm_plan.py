@@ -13,7 +13,8 @@ later is calibrated on that call.
 Paths: "cpu-<isa>" (our kernel, keys of cpu_ops.GEMM_ISAS; ISAs in cpu_ops.BF16_INPUT_ISAS for bf16 activations
 only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations only, as it rounds its input and output to
 bf16), "torch-fp32" (F.linear on widened weights: MKL's sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel (each ISA)
-and torch-bf16, by the expert's row count.
+and torch-bf16, by the expert's row count. Weights packed in bf16 pairs (Linear / FusedMoE.pack_weights) have plans
+of their own ("linear-packed", "experts-packed"): our packed kernel, or torch on the weight unpacked for the call.
 """
 import itertools
 import json
@@ -44,10 +45,11 @@ PRUNE = 3.0
 # The panel form takes the outer products only from 10 rows (WIDE_MIN_ROWS in csrc/cpu/gemm_bf16.cpp), which
 # the bucket of 8 holds; below it the panel form is the tiles, and timing both would choose by noise alone.
 PANELS_MIN_BUCKET = 8
-# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (4: "cpu-avx2"
+# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (5: packed
+# weights have keys of their own; 4: "cpu-avx2"
 # and "cpu-avx512" no longer take the panel form, now a path of its own; 3: the widest ISA within ISA_MARGIN;
 # 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
-PLAN_FORMAT = 4
+PLAN_FORMAT = 5
 
 
 def bucket(m: int) -> int:
@@ -60,10 +62,13 @@ def buckets_up_to(m: int) -> list[int]:
 
 
 def run_linear(path: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-               invariant: bool = False) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T (+ bias) by one path -> [..., N] in x.dtype."""
+               invariant: bool = False, packed: bool = False) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T (+ bias) by one path -> [..., N] in x.dtype. packed: w is
+    cpu_ops.pack_bf16_pairs(...), which torch's paths unpack for the call."""
     if path.startswith("cpu-"):
-        return cpu_ops.linear_bf16(x, w, bias, isa=path[4:], invariant=invariant)
+        return cpu_ops.linear_bf16(x, w, bias, isa=path[4:], invariant=invariant, packed=packed)
+    if packed:
+        w = cpu_ops.pack_bf16_pairs(w, unpack=True)
     if path == "torch-bf16":
         return F.linear(x, w, bias)
     out = F.linear(x.float(), w.float(), None if bias is None else bias.float())
@@ -127,9 +132,12 @@ class GemmPlan:
         self.model_shapes: set[tuple] = set()  # the last prepared model's shapes (plus any met later): what describe() lists
 
     @staticmethod
-    def cpu_paths(dtype: torch.dtype = torch.bfloat16, rows: int = 1) -> list[str]:
+    def cpu_paths(dtype: torch.dtype = torch.bfloat16, rows: int = 1, packed: bool = False) -> list[str]:
         """Our kernel per ISA that keeps activations of this dtype exact (bf16 dot products only for bf16), with the
-        panel forms only for row buckets where they differ from the tiles."""
+        panel forms only for row buckets where they differ from the tiles; for packed weights the one that reads them
+        (bf16 activations only: it rounds its input to bf16)."""
+        if packed:
+            return [f"cpu-{cpu_ops.PACKED_ISA}"] if dtype == torch.bfloat16 else []
         return [f"cpu-{isa}" for isa in cpu_ops.GEMM_ISAS
                 if (dtype == torch.bfloat16 or isa not in cpu_ops.BF16_INPUT_ISAS)
                 and (rows >= PANELS_MIN_BUCKET or not isa.endswith("-panels"))]
@@ -140,33 +148,42 @@ class GemmPlan:
 
     # -- lookups --------------------------------------------------------------------------------------
 
-    def linear_path(self, dtype: torch.dtype, m: int, w: torch.Tensor) -> str:
+    def linear_path(self, dtype: torch.dtype, m: int, w: torch.Tensor, packed: bool = False) -> str:
+        """The path for x [m, K] of dtype @ w [N, K]^T (packed: w in bf16 pairs)."""
         if self.invariant:
-            return self.invariant_path()
+            return self._invariant_path(dtype, packed)
         if dtype not in cpu_ops.STREAM_DTYPES:
             return "torch-fp32"
         self._load()
-        key = _key("linear", dtype, *w.shape, bucket(m))
+        key = _key(_linear_kind(packed), dtype, *w.shape, bucket(m))
         if key not in self.table:
-            self._calibrate_linear(dtype, w, [bucket(m)])
+            self._calibrate_linear(dtype, w, [bucket(m)], packed)
             self.model_shapes.add(key[:-1])
         return self.table[key]
 
-    def expert_paths(self, w13: torch.Tensor, w2: torch.Tensor, counts: list[int]) -> tuple[str, list[int]]:
-        """w13 [E, 2I, H], w2 [E, H, I], counts [E] rows per expert -> (our grouped kernel's path, the
-        experts that run through torch-bf16 instead). One call runs one ISA: the one chosen for the busiest
-        expert our kernel keeps (the ISAs differ most at many rows; below 3 rows AMX runs dot products)."""
+    def _invariant_path(self, dtype: torch.dtype, packed: bool) -> str:
+        """The packed kernel sums each output in k order whatever the rows: batch-invariant too (bf16 activations;
+        fp32 ones take torch's fp32 GEMM, which is not)."""
+        if packed:
+            return (self.cpu_paths(dtype, packed=True) or ["torch-fp32"])[0]
+        return self.invariant_path()
+
+    def expert_paths(self, w13: torch.Tensor, w2: torch.Tensor, counts: list[int],
+                     packed: bool = False) -> tuple[str, list[int]]:
+        """w13 [E, 2I, H], w2 [E, H, I] (packed: in bf16 pairs), counts [E] rows per expert -> (our grouped
+        kernel's path, the experts that run through torch-bf16 instead). One call runs one ISA: the one chosen for
+        the busiest expert our kernel keeps (the ISAs differ most at many rows; below 3 rows AMX runs dot products)."""
         if self.invariant:
-            return self.invariant_path(), []
+            return self._invariant_path(torch.bfloat16, packed), []
         self._load()
-        shape = _expert_shape(w13)
-        missing = sorted({bucket(c) for c in counts if c and _key("experts", *shape, bucket(c)) not in self.table})
+        kind, shape = _expert_kind(packed), _expert_shape(w13)
+        missing = sorted({bucket(c) for c in counts if c and _key(kind, *shape, bucket(c)) not in self.table})
         if missing:
-            self._calibrate_experts(w13, w2, missing)
-            self.model_shapes.add(("experts", *shape))
-        paths = [self.table[_key("experts", *shape, bucket(c))] if c else None for c in counts]
+            self._calibrate_experts(w13, w2, missing, packed)
+            self.model_shapes.add((kind, *shape))
+        paths = [self.table[_key(kind, *shape, bucket(c))] if c else None for c in counts]
         ours = [(c, p) for c, p in zip(counts, paths) if p is not None and p.startswith("cpu-")]
-        kernel = max(ours)[1] if ours else self.cpu_paths()[0]
+        kernel = max(ours)[1] if ours else self.cpu_paths(packed=packed)[0]
         return kernel, [e for e, p in enumerate(paths) if p == "torch-bf16"]
 
     # -- calibration ----------------------------------------------------------------------------------
@@ -199,31 +216,36 @@ class GemmPlan:
         for mod in model.modules():
             if isinstance(mod, Linear) and mod.weight.dtype == torch.bfloat16:
                 w = mod.weight.data
-                if ("linear", dtype, *w.shape) not in seen:
-                    seen.add(("linear", dtype, *w.shape))
-                    self._calibrate_linear(dtype, w, [b for b in todo if _key("linear", dtype, *w.shape, b) not in self.table])
+                head = (_linear_kind(mod.packed), dtype, *w.shape)
+                if head not in seen:
+                    seen.add(head)
+                    self._calibrate_linear(dtype, w, [b for b in todo if _key(*head, b) not in self.table], mod.packed)
             elif isinstance(mod, FusedMoE) and mod.gate_up_proj.dtype == torch.bfloat16:
                 w13, w2 = mod.gate_up_proj.data, mod.down_proj.data
-                if ("experts", *_expert_shape(w13)) not in seen:
-                    seen.add(("experts", *_expert_shape(w13)))
-                    self._calibrate_experts(w13, w2, [b for b in todo if _key("experts", *_expert_shape(w13), b) not in self.table])
+                head = (_expert_kind(mod.packed), *_expert_shape(w13))
+                if head not in seen:
+                    seen.add(head)
+                    self._calibrate_experts(w13, w2, [b for b in todo if _key(*head, b) not in self.table], mod.packed)
         self.model_shapes = seen
 
-    def _calibrate_linear(self, dtype: torch.dtype, w: torch.Tensor, rows: list[int]) -> None:
+    def _calibrate_linear(self, dtype: torch.dtype, w: torch.Tensor, rows: list[int], packed: bool = False) -> None:
+        """Times every path at each row count; packed weights: our packed kernel against torch's paths on the
+        weight unpacked for each call (as run_linear runs them)."""
         n, k = w.shape
-        ring = itertools.cycle(cold_copies(w[:CAL_MAX_N]) if rows else [])
+        ring = itertools.cycle(cold_copies(w[:CAL_MAX_N]) if rows else [])  # whole packed blocks: CAL_MAX_N % 16 == 0
         gen = torch.Generator().manual_seed(0)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(dtype)
-            paths = self.cpu_paths(dtype, m) + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
-            _, times = fastest({p: (lambda p=p: run_linear(p, x, next(ring)[0], None)) for p in paths})
-            self.table[_key("linear", dtype, n, k, m)] = _choose(times)
+            paths = self.cpu_paths(dtype, m, packed) + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
+            _, times = fastest({p: (lambda p=p: run_linear(p, x, next(ring)[0], None, packed=packed)) for p in paths})
+            self.table[_key(_linear_kind(packed), dtype, n, k, m)] = _choose(times)
             logger.debug("GEMM calibration linear %dx%d rows %d: %s", n, k, m, _fmt(times))
         self._save()
 
-    def _calibrate_experts(self, w13: torch.Tensor, w2: torch.Tensor, rows: list[int]) -> None:
+    def _calibrate_experts(self, w13: torch.Tensor, w2: torch.Tensor, rows: list[int], packed: bool = False) -> None:
         """Times one expert per thread (our kernel gives each thread whole experts) at each row count, on
-        each of our ISAs and torch's bf16 GEMM; a row count's choice is its fastest."""
+        each of our ISAs and torch's bf16 GEMM; a row count's choice is its fastest. Packed experts: our packed
+        kernel against torch on each expert unpacked for the call (as FusedMoE runs them)."""
         e, two_i, h = w13.shape
         n_exp = min(e, platform.kernel_threads())
         ring = itertools.cycle(cold_copies(w13[:n_exp], w2[:n_exp]) if rows else [])
@@ -231,18 +253,19 @@ class GemmPlan:
         for m in rows:
             x = torch.randn(m * n_exp, h, generator=gen)
             counts = torch.full((n_exp,), m)
-            paths = self.cpu_paths(rows=m) + ["torch-bf16"]
+            paths = self.cpu_paths(rows=m, packed=packed) + ["torch-bf16"]
 
             def run(path: str, m=m, x=x, counts=counts) -> None:
                 w13s, w2s = next(ring)
                 if path.startswith("cpu-"):
-                    cpu_ops.grouped_experts_bf16(x, counts, w13s, w2s, isa=path[4:])
+                    cpu_ops.grouped_experts_bf16(x, counts, w13s, w2s, isa=path[4:], packed=packed)
                     return
                 for i in range(n_exp):
-                    torch_expert(x[i * m:(i + 1) * m], w13s[i], w2s[i], math.inf)
+                    ws = [cpu_ops.pack_bf16_pairs(w[i], unpack=True) if packed else w[i] for w in (w13s, w2s)]
+                    torch_expert(x[i * m:(i + 1) * m], *ws, math.inf)
 
             times = fastest({p: (lambda p=p: run(p)) for p in paths})[1]
-            self.table[_key("experts", h, two_i, m)] = _choose(times)
+            self.table[_key(_expert_kind(packed), h, two_i, m)] = _choose(times)
             logger.debug("GEMM calibration experts h %d 2i %d rows %d: %s", h, two_i, m, _fmt(times))
         self._save()
 
@@ -317,8 +340,8 @@ def _threads() -> tuple[int, int]:
 
 
 def _key(kind: str, *parts) -> tuple:
-    """("linear", x dtype, N, K, rows) or ("experts", H, 2I, rows): a lookup per GEMM call,
-    so a plain tuple."""
+    """("linear" / "linear-packed", x dtype, N, K, rows) or ("experts" / "experts-packed", H, 2I, rows): a lookup
+    per GEMM call, so a plain tuple."""
     return (kind, *parts)
 
 
@@ -329,15 +352,27 @@ def _encode(key: tuple) -> str:
 def _decode(text: str) -> tuple:
     kind, *rest = text.split("|")
     parts = [int(p) if p.isdigit() else p for p in rest]
-    if kind == "linear":
+    if kind.startswith("linear"):
         parts[0] = getattr(torch, parts[0])
     return (kind, *parts)
 
 
 def _label(head: str) -> str:
-    """"linear|bfloat16|1536|1024" -> "linear bfloat16 N 1536 K 1024"; "experts|1024|1024" -> "experts H 1024 2I 1024"."""
+    """"linear|bfloat16|1536|1024" -> "linear bfloat16 N 1536 K 1024"; "experts|1024|1024" -> "experts H 1024 2I 1024";
+    "experts-packed|..." -> "experts H .. 2I .. (packed)"."""
     p = head.split("|")
-    return f"linear {p[1]} N {p[2]} K {p[3]}" if p[0] == "linear" else f"experts H {p[1]} 2I {p[2]}"
+    packed = " (packed)" if p[0].endswith("-packed") else ""
+    if p[0].startswith("linear"):
+        return f"linear {p[1]} N {p[2]} K {p[3]}{packed}"
+    return f"experts H {p[1]} 2I {p[2]}{packed}"
+
+
+def _linear_kind(packed: bool) -> str:
+    return "linear-packed" if packed else "linear"
+
+
+def _expert_kind(packed: bool) -> str:
+    return "experts-packed" if packed else "experts"
 
 
 def _expert_shape(w13: torch.Tensor) -> tuple[int, int]:

@@ -1,16 +1,20 @@
 """Linear layers: bf16 CPU weights go the path the GEMM plan measured fastest for the shape (our
 kernels, or torch's own bf16 / fp32 GEMM)."""
+import collections
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.layers import cpu_ops
 from deepinfer.layers.gemm_plan import PLAN, run_linear
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias); packed: weight is cpu_ops.pack_bf16_pairs(...)."""
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
-        path = PLAN.linear_path(x.dtype, x.numel() // max(x.shape[-1], 1), weight)
-        return run_linear(path, x, weight, bias, PLAN.invariant)
+        path = PLAN.linear_path(x.dtype, x.numel() // max(x.shape[-1], 1), weight, packed)
+        return run_linear(path, x, weight, bias, PLAN.invariant, packed)
     return F.linear(x, weight, bias)
 
 
@@ -26,6 +30,24 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_out, dtype=dtype), requires_grad=False) if bias else None
         for p in self.parameters():
             p.shard_sizes = shards
+        self.packed = False  # weight holds cpu_ops.pack_bf16_pairs(...) (pack_weights)
+
+    def pack_weights(self) -> None:
+        """Repacks a bf16 weight in place into bf16 pairs where this CPU's kernel reads them faster
+        (cpu_ops.PACKED_ISA); its shape and storage stay. Only for weights no other module reads as rows."""
+        if not self.packed and cpu_ops.can_pack(self.weight):
+            self.weight.data.copy_(cpu_ops.pack_bf16_pairs(self.weight.data))
+            self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Packs every Linear of the model whose weight no other parameter shares (a tied embedding reads rows)
+    -> how many are packed."""
+    uses = collections.Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
+    linears = [m for m in model.modules() if isinstance(m, Linear) and uses[m.weight.data_ptr()] == 1]
+    for m in linears:
+        m.pack_weights()
+    return sum(m.packed for m in linears)

@@ -24,6 +24,24 @@ class FusedMoE(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
                                       requires_grad=False)
+        self.packed = False  # both hold cpu_ops.pack_bf16_pairs(...) per expert (pack_weights)
+
+    def pack_weights(self) -> None:
+        """Repacks the bf16 experts in place into bf16 pairs where this CPU's kernel reads them faster
+        (cpu_ops.PACKED_ISA); the tensors keep their shapes, storage and per-expert slices, so EPLB moves and
+        expert sharding copy packed experts as they copied row-major ones."""
+        if self.packed or not cpu_ops.can_pack(self.gate_up_proj, self.down_proj):
+            return
+        for w in (self.gate_up_proj, self.down_proj):
+            w.data.copy_(cpu_ops.pack_bf16_pairs(w.data))
+        self.packed = True
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, H], w2 [H, I]), row-major whether or not the experts are packed."""
+        w13, w2 = self.gate_up_proj[e], self.down_proj[e]
+        if self.packed:
+            return cpu_ops.pack_bf16_pairs(w13, unpack=True), cpu_ops.pack_bf16_pairs(w2, unpack=True)
+        return w13, w2
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_ids, topk_weights [T, k] -> [T, H] = sum_k w * expert_k(x)."""
@@ -73,17 +91,17 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(topk_ids.flatten(), minlength=self.num_experts).tolist()
         kernel, via_torch, skip = self._plan(counts)
         y = cpu_ops.moe_experts_bf16(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, limit, skip,
-                                     isa=kernel[4:], invariant=PLAN.invariant)
+                                     isa=kernel[4:], invariant=PLAN.invariant, packed=self.packed)
         for e in via_torch:
             token, slot = (topk_ids == e).nonzero(as_tuple=True)
-            rows = torch_expert(x[token].float(), self.gate_up_proj[e], self.down_proj[e], limit)
+            rows = torch_expert(x[token].float(), *self.expert_weights(e), limit)
             y.index_add_(0, token, rows * topk_weights[token, slot, None].float())
         return y
 
     def _plan(self, counts: list[int]) -> tuple[str, list[int], torch.Tensor | None]:
         """counts [E] rows per expert -> (our kernel's path, the experts the GEMM plan sends to torch's bf16
         GEMM, those experts as a skip mask [E] for our kernel or None)."""
-        kernel, via_torch = PLAN.expert_paths(self.gate_up_proj, self.down_proj, counts)
+        kernel, via_torch = PLAN.expert_paths(self.gate_up_proj, self.down_proj, counts, self.packed)
         skip = None
         if via_torch:
             skip = torch.zeros(self.num_experts, dtype=torch.bool)
@@ -96,11 +114,11 @@ class FusedMoE(nn.Module):
         count_list = counts.tolist()
         kernel, via_torch, skip = self._plan(count_list)
         out = grouped_experts_bf16(grouped, counts, self.gate_up_proj, self.down_proj, limit, skip=skip,
-                                   isa=kernel[4:], invariant=PLAN.invariant)
+                                   isa=kernel[4:], invariant=PLAN.invariant, packed=self.packed)
         starts = [0] + list(itertools.accumulate(count_list))
         for e in via_torch:
             rows = slice(starts[e], starts[e + 1])
-            out[rows] = torch_expert(grouped[rows], self.gate_up_proj[e], self.down_proj[e], limit)
+            out[rows] = torch_expert(grouped[rows], *self.expert_weights(e), limit)
         return out
 
 
@@ -133,6 +151,14 @@ class RoutedMoE(nn.Module):
         if self.ep is not None:
             return self.ep.run(x, ids, weights, self.experts)
         return self.experts(x, ids, weights)
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Packs every FusedMoE of the model that can be (FusedMoE.pack_weights) -> how many are packed."""
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for m in experts:
+        m.pack_weights()
+    return sum(m.packed for m in experts)
 
 
 def balanced_moe_blocks(model: nn.Module) -> list[RoutedMoE]:

@@ -66,7 +66,7 @@ class Attention(nn.Module):
         if meta.max_query_len != 1 or x.dim() != 2:
             return None
         key = (x.dtype, x.device.type, bucket(x.shape[0]), PLAN.invariant, norm.weight.data_ptr(),
-               self.qkv_proj.weight.data_ptr(), self.o_proj.weight.data_ptr(),
+               self.qkv_proj.weight.data_ptr(), self.o_proj.weight.data_ptr(), self.qkv_proj.packed, self.o_proj.packed,
                0 if self.k_cache is None else self.k_cache.data_ptr())
         if key not in self._fused_weights:  # checked once per dtype, row bucket and set of tensors
             self._fused_weights[key] = self._fused_weights_for(x, norm)
@@ -76,14 +76,15 @@ class Attention(nn.Module):
         if self.qkv_proj.weight.dtype != torch.bfloat16 \
                 or not cpu_ops.fast_path(x, norm.weight, self.k_cache, self.v_cache, *self._norm_weights()):
             return None
-        qkv = PLAN.linear_path(x.dtype, x.shape[0], self.qkv_proj.weight)
-        o = PLAN.linear_path(x.dtype, x.shape[0], self.o_proj.weight)
+        qkv = PLAN.linear_path(x.dtype, x.shape[0], self.qkv_proj.weight, self.qkv_proj.packed)
+        o = PLAN.linear_path(x.dtype, x.shape[0], self.o_proj.weight, self.o_proj.packed)
         if not (qkv.startswith("cpu-") and o.startswith("cpu-")):
             return None
         return cpu_ops.attention_block_weights(norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, qkv[4:],
                                                *self._norm_weights(), self._norm_eps(), self.rotary.cos, self.rotary.sin,
                                                self.k_cache, self.v_cache, self.o_proj.weight, self.o_proj.bias, o[4:],
-                                               self.num_heads, self.head_dim ** -0.5, PLAN.invariant)
+                                               self.num_heads, self.head_dim ** -0.5, PLAN.invariant,
+                                               self.qkv_proj.packed, self.o_proj.packed)
 
     def _norm_weights(self) -> tuple:
         """(q_norm, k_norm) weights, or (None, None) without q/k norm."""
@@ -209,8 +210,9 @@ class LlamaForCausalLM(nn.Module):
         return layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is None:
+            return linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

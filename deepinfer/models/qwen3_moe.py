@@ -38,7 +38,8 @@ class SparseMoeBlock(RoutedMoE):
             return None
         experts = self.experts
         key = (x.dtype, x.device.type, bucket(x.shape[0]), PLAN.invariant, norm.weight.data_ptr(),
-               self.gate.weight.data_ptr(), experts.gate_up_proj.data_ptr(), experts.down_proj.data_ptr())
+               self.gate.weight.data_ptr(), experts.gate_up_proj.data_ptr(), experts.down_proj.data_ptr(), experts.packed,
+               self.gate.packed)
         if key not in self._fused_weights:  # checked once per dtype, row bucket and set of tensors
             self._fused_weights[key] = self._fused_weights_for(x, norm)
         return self._fused_weights[key]
@@ -62,14 +63,17 @@ class SparseMoeBlock(RoutedMoE):
         rows = x.shape[0]
         isas = []
         for b in buckets_up_to(rows):
-            kernel, via_torch = PLAN.expert_paths(experts.gate_up_proj, experts.down_proj, [b])
+            kernel, via_torch = PLAN.expert_paths(experts.gate_up_proj, experts.down_proj, [b], experts.packed)
             if via_torch:
                 return None
             isas.append(kernel[4:])
-        gate = PLAN.linear_path(x.dtype, rows, self.gate.weight)
-        gate = gate if gate.startswith("cpu-") else PLAN.cpu_paths(x.dtype)[0]
+        gate = PLAN.linear_path(x.dtype, rows, self.gate.weight, self.gate.packed)
+        gate = gate if gate.startswith("cpu-") else (PLAN.cpu_paths(x.dtype, packed=self.gate.packed) or [None])[0]
+        if gate is None:  # a packed router under fp32 activations: only torch, unpacking it, keeps them exact
+            return None
         return cpu_ops.moe_block_weights(norm.weight, norm.eps, self.gate.weight, self.top_k, self.norm_topk_prob,
-                                         experts.gate_up_proj, experts.down_proj, gate[4:], isas, PLAN.invariant)
+                                         experts.gate_up_proj, experts.down_proj, gate[4:], isas, PLAN.invariant,
+                                         experts.packed, self.gate.packed)
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> topk_ids [T, k], topk_weights [T, k] (softmax in fp32, as transformers)."""
