@@ -40,6 +40,13 @@ def _save_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+def tiny_experts_plan_label() -> str:
+    """The tiny Qwen3-MoE's experts as the GEMM plan names them: the engine packs them where a packed kernel runs
+    (their shapes are multiples of 16)."""
+    from deepinfer.layers import cpu_ops
+    return "experts H 64 2I 64" + (" (packed)" if cpu_ops.PACKED_ISA else "")
+
+
 def our_kernel_path(dtype: torch.dtype, m: int, w: torch.Tensor, packed: bool = False) -> str:
     """A GemmPlan.linear_path that keeps every linear on our kernels (the fused halves need them): the exact ISA,
     or for weights the engine packed the kernel that reads them."""

@@ -14,10 +14,7 @@ from deepinfer.layers import cpu_ops, gemm_plan
 from deepinfer.layers.cpu_ops import EXACT_ISA, GEMM_ISAS, grouped_experts_bf16, linear_bf16
 from deepinfer.layers.gemm_plan import GemmPlan, cold_copies, fastest, run_linear
 from deepinfer.layers.moe import FusedMoE
-from tests.conftest import make_qwen3_moe
-
-# The tiny Qwen3-MoE's experts as the plan names them: the engine packs them where a packed kernel runs (64 % 16 == 0).
-TINY_EXPERTS = "experts H 64 2I 64" + (" (packed)" if cpu_ops.PACKED_ISA else "")
+from tests.conftest import make_qwen3_moe, tiny_experts_plan_label
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -155,7 +152,7 @@ def test_engine_logs_its_plan_and_batch_invariant_pins_the_kernel(tiny_qwen3_moe
     try:
         LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8)
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GEMM plan")]
-        assert any(line.startswith(f"GEMM plan: {TINY_EXPERTS}: 1") for line in lines), lines
+        assert any(line.startswith(f"GEMM plan: {tiny_experts_plan_label()}: 1") for line in lines), lines
         assert any(line.startswith("GEMM plan: linear bfloat16 N 262 K 64: 1") for line in lines), lines
         LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8, batch_invariant=True)
         assert gemm_plan.PLAN.linear_path(torch.bfloat16, 64, torch.zeros(8, 8, dtype=torch.bfloat16)) == \
@@ -229,7 +226,7 @@ def test_describe_lists_the_prepared_models_shapes_only(tiny_qwen3_moe, monkeypa
     lines = plan.describe()
     assert not any("N 40 K 24" in line for line in lines)
     assert any(("linear", torch.bfloat16, 40, 24, 1) in table for table in plan._tables.values())
-    assert any(line.startswith(f"{TINY_EXPERTS}: 1") for line in lines), lines
+    assert any(line.startswith(f"{tiny_experts_plan_label()}: 1") for line in lines), lines
 
 
 def test_our_kernel_must_beat_torch_bf16_clearly_to_replace_it():
