@@ -192,23 +192,26 @@ def engine_threads(monkeypatch):
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("packed", [False] + ([True] if cpu_ops.PACKED_ISA else []))
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("n", [1024, 4096])
-def test_chosen_path_is_never_slower_than_torch_bf16(m, n, engine_threads):
+def test_chosen_path_is_never_slower_than_torch_bf16(m, n, packed, engine_threads):
     """The regression this plan fixes: on AMX CPUs our AVX2 kernel was 2.6-6x slower than torch's bf16
     GEMM at 16-64 rows. Whatever this CPU is, the path the plan picks for a shape is within 10% of
     torch's bf16 F.linear on it (best of interleaved rounds, K = 1024), with the engine's threads, on
-    weights read from memory as in a decode step (both draw from one cycle of cold copies)."""
+    weights read from memory as in a decode step (both draw from one cycle of cold copies). packed: the plan
+    of the weight as the engine packs it, against torch on the row-major weight."""
     g = torch.Generator().manual_seed(m + n)
     x = torch.randn(m, 1024, generator=g).to(torch.bfloat16)
     w = torch.randn(n, 1024, generator=g).to(torch.bfloat16)
-    path = gemm_plan.PLAN.linear_path(torch.bfloat16, m, w)
-    ring = itertools.cycle(cold_copies(w))
+    ours = cpu_ops.pack_bf16_pairs(w) if packed else w
+    path = gemm_plan.PLAN.linear_path(torch.bfloat16, m, ours, packed)
+    ring = itertools.cycle(cold_copies(w, ours))
     # Another process on the 2 cores can slow one candidate for a whole round: a shape fails only if
     # it is slower in three separate measurements.
     tries = []
     for _ in range(3):
-        _, times = fastest({"chosen": lambda: run_linear(path, x, next(ring)[0], None),
+        _, times = fastest({"chosen": lambda: run_linear(path, x, next(ring)[1], None, packed=packed),
                             "torch": lambda: F.linear(x, next(ring)[0])})
         tries.append(times)
         if times["chosen"] <= 1.1 * times["torch"]:

@@ -225,13 +225,15 @@ void pair_tile(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int
 // at most 8 panel streams (one row, K 512-1024, from memory: 8 panels read 1.1-1.4x faster than 1 or 2).
 constexpr int pair_cols(int R) { return R <= 2 ? 8 : R <= 4 ? 6 : R <= 6 ? 4 : 3; }
 
-// Rows [m0, m0 + R) over column blocks [b0, b1), C blocks per tile.
+// Rows [m0, m0 + R) over column blocks [b0, b1), C blocks per tile, the rest in tiles of C/2, C/4, ..., 1: a
+// thread's short share (9 or 12 blocks of 1024 or 1536 outputs on two threads) keeps several panel streams
+// in flight instead of reading its last blocks one panel at a time.
 template <class V, int R, int C>
 void pair_blocks(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t K, int64_t N, int64_t b0,
                  int64_t b1) {
   int64_t b = b0;
   for (; b + C <= b1; b += C) pair_tile<V, R, C>(x, w, out, m0, b, K, N);
-  for (; b < b1; ++b) pair_tile<V, R, 1>(x, w, out, m0, b, K, N);
+  if constexpr (C > 1) pair_blocks<V, R, C / 2>(x, w, out, m0, K, N, b, b1);
 }
 
 // pair_blocks for a run-time row count (1..PAIR_ROWS); C 0: as many blocks as the registers hold.

@@ -72,6 +72,12 @@ def pack_bf16_pairs(w: torch.Tensor, unpack: bool = False) -> torch.Tensor:
     return out
 
 
+def pack_in_place(*weights: torch.Tensor) -> None:
+    """pack_bf16_pairs into each weight's own storage (shape, storage and any views of whole matrices stay)."""
+    for w in weights:
+        w.copy_(pack_bf16_pairs(w))
+
+
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None,
                 invariant: bool = False, packed: bool = False) -> torch.Tensor:
     """x [..., K] fp32 or bf16; w [N, K] bf16; bias [N] bf16 or None -> [..., N] in x.dtype (fp32

@@ -46,9 +46,8 @@ PRUNE = 3.0
 # the bucket of 8 holds; below it the panel form is the tiles, and timing both would choose by noise alone.
 PANELS_MIN_BUCKET = 8
 # Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (5: packed
-# weights have keys of their own; 4: "cpu-avx2"
-# and "cpu-avx512" no longer take the panel form, now a path of its own; 3: the widest ISA within ISA_MARGIN;
-# 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
+# weights have keys of their own; 4: "cpu-avx2" and "cpu-avx512" no longer take the panel form, now a path of its
+# own; 3: the widest ISA within ISA_MARGIN; 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
 PLAN_FORMAT = 5
 
 

@@ -36,7 +36,7 @@ class Linear(nn.Module):
         """Repacks a bf16 weight in place into bf16 pairs where this CPU's kernel reads them faster
         (cpu_ops.PACKED_ISA); its shape and storage stay. Only for weights no other module reads as rows."""
         if not self.packed and cpu_ops.can_pack(self.weight):
-            self.weight.data.copy_(cpu_ops.pack_bf16_pairs(self.weight.data))
+            cpu_ops.pack_in_place(self.weight.data)
             self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

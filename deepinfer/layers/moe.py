@@ -32,8 +32,7 @@ class FusedMoE(nn.Module):
         expert sharding copy packed experts as they copied row-major ones."""
         if self.packed or not cpu_ops.can_pack(self.gate_up_proj, self.down_proj):
             return
-        for w in (self.gate_up_proj, self.down_proj):
-            w.data.copy_(cpu_ops.pack_bf16_pairs(w.data))
+        cpu_ops.pack_in_place(self.gate_up_proj.data, self.down_proj.data)
         self.packed = True
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
