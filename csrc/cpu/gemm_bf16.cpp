@@ -153,13 +153,17 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
                [&](int64_t t) { range(t * chunk, std::min(N, (t + 1) * chunk)); });
 }
 
+// In the packed order, one pair (4 bytes) at a time: the packed side is read or written sequentially, the rows
+// side as PAIR_BLOCK row streams.
 void pack_bf16_pairs(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool unpack) {
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t packed = ((n / PAIR_BLOCK * (K / 2) + k / 2) * PAIR_BLOCK + n % PAIR_BLOCK) * 2 + k % 2;
-      if (unpack) dst[n * K + k] = src[packed];
-      else dst[packed] = src[n * K + k];
-    }
+  int64_t packed = 0;  // element offset on the packed side
+  for (int64_t n0 = 0; n0 < N; n0 += PAIR_BLOCK)
+    for (int64_t k = 0; k < K; k += 2)
+      for (int64_t n = n0; n < n0 + PAIR_BLOCK; ++n, packed += 2) {
+        const int64_t row = n * K + k;  // element offset on the row-major side
+        if (unpack) std::memcpy(dst + row, src + packed, 2 * sizeof(uint16_t));
+        else std::memcpy(dst + packed, src + row, 2 * sizeof(uint16_t));
+      }
 }
 
 void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,

@@ -28,8 +28,8 @@ struct GemmMode {
 // A kernel's id as the plan names it (cpu_features()["gemm_isas"]): its Isa, plus KERNEL_PANELS for
 // the panel form.
 constexpr int KERNEL_PANELS = 16;
-inline GemmMode kernel_mode(int id, bool invariant) {
-  return GemmMode{static_cast<Isa>(id & (KERNEL_PANELS - 1)), invariant, (id & KERNEL_PANELS) != 0};
+inline GemmMode kernel_mode(int id, bool invariant, bool packed = false) {
+  return GemmMode{static_cast<Isa>(id & (KERNEL_PANELS - 1)), invariant, (id & KERNEL_PANELS) != 0, packed};
 }
 
 // Whether stream_rows (gemm_kernel.h) prefetches weights in software; defined in gemm_bf16.cpp, as the

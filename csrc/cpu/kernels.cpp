@@ -38,12 +38,11 @@ std::vector<std::pair<const char*, int>> gemm_kernels() {
 GemmMode gemm_mode(int id, bool invariant, bool packed = false) {
   for (auto [name, known] : gemm_kernels()) {
     if (known != id) continue;
-    GemmMode mode = kernel_mode(id, invariant);
+    GemmMode mode = kernel_mode(id, invariant, packed);
     if (!isa_supported(mode.isa))
       throw py::value_error(std::string("GEMM kernel ") + name + " is not supported by this CPU");
     if (packed && mode.isa != Isa::AVX512_BF16)
       throw py::value_error(std::string("GEMM kernel ") + name + " cannot read packed weights (avx512bf16 only)");
-    mode.packed = packed;
     return mode;
   }
   throw py::value_error("unknown GEMM kernel id " + std::to_string(id));
@@ -107,6 +106,7 @@ void bind_cpu_kernels(py::module_& m) {
                     threads);
       },
       "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N] bf16, 0 for none); x and out both fp32 or both bf16 (bf16_io)");
+  m.attr("PAIR_BLOCK") = PAIR_BLOCK;
   m.def(
       "pack_bf16_pairs",
       [](uintptr_t src, uintptr_t dst, int64_t N, int64_t K, bool unpack) {

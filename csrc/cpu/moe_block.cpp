@@ -57,9 +57,7 @@ GemmMode expert_mode(const MoeBlock& b, const std::vector<int64_t>& ids) {
   const int64_t busiest = *std::max_element(rows.begin(), rows.end());
   int level = 0;
   while (level + 1 < static_cast<int>(b.expert_isa.size()) && (int64_t{2} << level) <= busiest) ++level;
-  GemmMode mode = kernel_mode(b.expert_isa[level], b.invariant);
-  mode.packed = b.packed;
-  return mode;
+  return kernel_mode(b.expert_isa[level], b.invariant, b.packed);
 }
 
 }  // namespace

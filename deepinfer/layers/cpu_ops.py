@@ -18,7 +18,7 @@ EXACT_ISA = next(isa for isa in GEMM_ISAS if isa not in BF16_INPUT_ISAS)
 # The ISA that reads weights packed in bf16 pairs (pack_bf16_pairs), where packing pays: on CPUs with
 # AVX512-BF16 and no AMX tiles (AMX's kernel reads row-major weights; packed ones are unmeasured there).
 PACKED_ISA = "avx512bf16" if "avx512bf16" in GEMM_ISAS and "amx" not in GEMM_ISAS else None
-PAIR_BLOCK = 16  # output rows per packed panel (PAIR_BLOCK in csrc/cpu/gemm_bf16.h)
+PAIR_BLOCK = _C.PAIR_BLOCK  # output rows per packed panel
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, dims: int) -> None:
@@ -70,6 +70,11 @@ def pack_bf16_pairs(w: torch.Tensor, unpack: bool = False) -> torch.Tensor:
     out = torch.empty_like(w)
     _C.pack_bf16_pairs(w.data_ptr(), out.data_ptr(), w.numel() // k, k, unpack)  # blocks never cross matrices
     return out
+
+
+def row_major(w: torch.Tensor, packed: bool) -> torch.Tensor:
+    """w [..., N, K] as row-major weights: unpacked (a copy) when packed, else w itself."""
+    return pack_bf16_pairs(w, unpack=True) if packed else w
 
 
 def pack_in_place(*weights: torch.Tensor) -> None:

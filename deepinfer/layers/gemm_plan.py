@@ -66,8 +66,7 @@ def run_linear(path: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
     cpu_ops.pack_bf16_pairs(...), which torch's paths unpack for the call."""
     if path.startswith("cpu-"):
         return cpu_ops.linear_bf16(x, w, bias, isa=path[4:], invariant=invariant, packed=packed)
-    if packed:
-        w = cpu_ops.pack_bf16_pairs(w, unpack=True)
+    w = cpu_ops.row_major(w, packed)
     if path == "torch-bf16":
         return F.linear(x, w, bias)
     out = F.linear(x.float(), w.float(), None if bias is None else bias.float())
@@ -260,8 +259,8 @@ class GemmPlan:
                     cpu_ops.grouped_experts_bf16(x, counts, w13s, w2s, isa=path[4:], packed=packed)
                     return
                 for i in range(n_exp):
-                    ws = [cpu_ops.pack_bf16_pairs(w[i], unpack=True) if packed else w[i] for w in (w13s, w2s)]
-                    torch_expert(x[i * m:(i + 1) * m], *ws, math.inf)
+                    torch_expert(x[i * m:(i + 1) * m], cpu_ops.row_major(w13s[i], packed),
+                                 cpu_ops.row_major(w2s[i], packed), math.inf)
 
             times = fastest({p: (lambda p=p: run(p)) for p in paths})[1]
             self.table[_key(_expert_kind(packed), h, two_i, m)] = _choose(times)

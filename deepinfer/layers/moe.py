@@ -37,10 +37,7 @@ class FusedMoE(nn.Module):
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, H], w2 [H, I]), row-major whether or not the experts are packed."""
-        w13, w2 = self.gate_up_proj[e], self.down_proj[e]
-        if self.packed:
-            return cpu_ops.pack_bf16_pairs(w13, unpack=True), cpu_ops.pack_bf16_pairs(w2, unpack=True)
-        return w13, w2
+        return cpu_ops.row_major(self.gate_up_proj[e], self.packed), cpu_ops.row_major(self.down_proj[e], self.packed)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_ids, topk_weights [T, k] -> [T, H] = sum_k w * expert_k(x)."""
