@@ -20,8 +20,8 @@
 namespace deepinfer {
 
 void attend_group_avx512(const float* q, int64_t G, const float* keys, const float* values, int64_t n, int64_t D,
-                         float scale, const float* sinks, float* p, float* out) {
-  attn::attend_group<Avx512>(q, G, keys, values, n, D, scale, sinks, p, out);
+                         int64_t ld, float scale, const float* sinks, float* p, float* out) {
+  attn::attend_group<Avx512>(q, G, keys, values, n, D, ld, scale, sinks, p, out);
 }
 
 }  // namespace deepinfer

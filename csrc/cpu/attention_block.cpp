@@ -1,9 +1,8 @@
 #include "cpu/attention_block.h"
 
-#include <vector>
-
 #include "cpu/decode_attention.h"
 #include "cpu/norm_rope.h"
+#include "cpu/scratch.h"
 
 namespace deepinfer {
 
@@ -19,16 +18,22 @@ AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, voi
   }
   const int64_t D = b.head_dim, q_width = b.heads * D, qkv_width = (b.heads + 2 * b.kv_heads) * D;
   const size_t elem = bf16 ? 2 : 4;
-  std::vector<char> h(T * b.hidden * elem), qkv(T * qkv_width * elem), q(T * q_width * elem), attn(q.size());
-  rms_norm(x, b.hidden, b.norm_w, h.data(), T, b.hidden, b.eps, bf16, num_threads);
-  linear_bf16(h.data(), b.qkv, b.qkv_bias, qkv.data(), bf16, T, b.hidden, qkv_width, b.qkv_mode, num_threads);
-  if (!qk_norm_rope_store(qkv.data(), qkv_width, T, b.heads, b.kv_heads, D, b.q_norm, b.k_norm, b.qk_eps, b.cos, b.sin,
+  // This thread's buffers, each written whole before it is read: h [T, hidden], qkv [T, qkv_width], q and attn
+  // [T, q_width], in x's type.
+  Scratch<char> work(ScratchUse::ATTENTION_BLOCK, T * (b.hidden + qkv_width + 2 * q_width) * elem);
+  char* h = work.data();
+  char* qkv = h + T * b.hidden * elem;
+  char* q = qkv + T * qkv_width * elem;
+  char* attn = q + T * q_width * elem;
+  rms_norm(x, b.hidden, b.norm_w, h, T, b.hidden, b.eps, bf16, num_threads);
+  linear_bf16(h, b.qkv, b.qkv_bias, qkv, bf16, T, b.hidden, qkv_width, b.qkv_mode, num_threads);
+  if (!qk_norm_rope_store(qkv, qkv_width, T, b.heads, b.kv_heads, D, b.q_norm, b.k_norm, b.qk_eps, b.cos, b.sin,
                           b.num_positions, batch.positions, b.k_cache, b.v_cache, b.num_blocks * b.block_size, batch.slots,
-                          q.data(), bf16, num_threads))
+                          q, bf16, num_threads))
     return AttentionBlockStatus::BAD_POSITION_OR_SLOT;
-  paged_decode_attention(q.data(), b.k_cache, b.v_cache, block_tables, context_lens, b.scale, attn.data(), bf16, T,
+  paged_decode_attention(q, b.k_cache, b.v_cache, block_tables, context_lens, b.scale, attn, bf16, T,
                          b.heads, b.kv_heads, D, b.block_size, max_blocks, num_threads);
-  linear_bf16(attn.data(), b.o, b.o_bias, out, bf16, T, q_width, b.hidden, b.o_mode, num_threads);
+  linear_bf16(attn, b.o, b.o_bias, out, bf16, T, q_width, b.hidden, b.o_mode, num_threads);
   return AttentionBlockStatus::OK;
 }
 

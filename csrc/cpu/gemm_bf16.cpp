@@ -48,6 +48,10 @@ constexpr int64_t WIDE_MIN_COLS = 256;
 // takes more of them, so one slow core does not hold up the whole GEMM.
 constexpr int64_t COLUMN_TASKS_PER_THREAD = 4;
 constexpr int64_t COLUMN_ALIGN = 48;  // whole column blocks of every tile shape (4, 6, 8, 12, 16)
+// fp32 results per column range when a ColumnsDone reads them back (linear_bf16's rounding to bf16): a quarter
+// of L2, so they are read from L2, not memory (the LM head at 64 rows: 8 MB rounded after the GEMM in one pass
+// on one thread cost 1.9 ms of its 23).
+constexpr int64_t DONE_CHUNK_BYTES = 256 << 10;
 // An AMX tile multiplies 16 rows of x whatever M is; below this many rows the bf16 dot products read the
 // weights faster (1.1x at 1-2 rows, K 1024; AMX 1.3x faster at 3). The batch-invariant mode keeps AMX
 // for every M: a row's tile products do not depend on the other rows.
@@ -111,7 +115,7 @@ void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2,
 }  // namespace
 
 void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
-               GemmMode mode, int num_threads) {
+               GemmMode mode, int num_threads, const ColumnsDone& done) {
   const Isa isa = mode.isa == Isa::AMX && M < AMX_MIN_ROWS && !mode.invariant ? Isa::AVX512_BF16 : mode.isa;
   const bool pairs = isa == Isa::AVX512_BF16 || isa == Isa::AMX;  // bf16 products: no wide path, x rounded once
   const bool tiles = isa == Isa::AMX;
@@ -143,14 +147,15 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
   }
   auto range = [&](int64_t n0, int64_t n1) {
     gemm_columns(mode, isa, xp, xbp, xk, xt.data(), wide, w, out, M, K, N, n0, n1);
+    if (done) done(n0, n1);
   };
   // Split N across threads only when each gets enough work to beat the wake-up cost.
-  int threads = threads_for(N * K, num_threads, 1 << 20);
-  if (threads == 1) return range(0, N);
-  int64_t chunk = (N + threads * COLUMN_TASKS_PER_THREAD - 1) / (threads * COLUMN_TASKS_PER_THREAD);
-  chunk = (chunk + COLUMN_ALIGN - 1) / COLUMN_ALIGN * COLUMN_ALIGN;
-  parallel_for((N + chunk - 1) / chunk, threads,
-               [&](int64_t t) { range(t * chunk, std::min(N, (t + 1) * chunk)); });
+  const int threads = threads_for(N * K, num_threads, 1 << 20);
+  int64_t chunk = threads == 1 ? N : (N + threads * COLUMN_TASKS_PER_THREAD - 1) / (threads * COLUMN_TASKS_PER_THREAD);
+  if (done) chunk = std::min(chunk, std::max<int64_t>(1, DONE_CHUNK_BYTES / (M * sizeof(float))));
+  if (chunk >= N) return range(0, N);
+  chunk = round_up(chunk, COLUMN_ALIGN);
+  parallel_for((N + chunk - 1) / chunk, threads, [&](int64_t t) { range(t * chunk, std::min(N, (t + 1) * chunk)); });
 }
 
 // In the packed order, one pair (4 bytes) at a time: the packed side is read or written sequentially, the rows
@@ -170,11 +175,15 @@ void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* o
                  int64_t K, int64_t N, GemmMode mode, int num_threads) {
   Scratch<float> of(ScratchUse::LINEAR_OUT, bf16_io ? M * N : 0);  // bf16_io: the fp32 result
   float* op = bf16_io ? of.data() : static_cast<float*>(out);
-  gemm_bf16(x, bf16_io, w, op, M, K, N, mode, num_threads);
-  if (bias)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) op[m * N + n] += from_bf16(bias[n]);
-  if (bf16_io) store_row(out, 0, M * N, true, op);
+  // Bias and rounding per column range, on the threads that computed it.
+  auto finish = [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; ++m) {
+      if (bias)
+        for (int64_t n = n0; n < n1; ++n) op[m * N + n] += from_bf16(bias[n]);
+      if (bf16_io) store_row(out, m * N + n0, n1 - n0, true, op + m * N + n0);
+    }
+  };
+  gemm_bf16(x, bf16_io, w, op, M, K, N, mode, num_threads, bias || bf16_io ? ColumnsDone(finish) : nullptr);
 }
 
 void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint8_t* skip,

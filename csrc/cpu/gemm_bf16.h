@@ -8,6 +8,7 @@
 // (~1.5x the FLOP rate). On CPUs with bf16 instructions torch's oneDNN GEMM can be faster: the
 // caller (deepinfer/layers/gemm_plan.py) measures both and picks per shape.
 #include <cstdint>
+#include <functional>
 
 #include "cpu/cpu_features.h"
 
@@ -47,10 +48,14 @@ constexpr int64_t PAIR_BLOCK = 16, PAIR_ROWS = 8;
 // GemmMode::packed reads. unpack: wp -> w.
 void pack_bf16_pairs(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool unpack);
 
+// Called with each finished range of output columns [n0, n1) (all M rows), on the thread that computed it.
+using ColumnsDone = std::function<void(int64_t n0, int64_t n1)>;
+
 // out[M,N] fp32 = x[M,K] @ w[N,K]^T; x fp32, or bf16 when x_bf16 (read as it is by the bf16-pair ISAs, which
-// round fp32 x to bf16 first; widened for the others).
+// round fp32 x to bf16 first; widened for the others). done (if set) sees every column range once, while its
+// results are still in L2.
 void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
-               GemmMode mode, int num_threads);
+               GemmMode mode, int num_threads, const ColumnsDone& done = nullptr);
 
 // out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], bf16 or null), accumulated in fp32; x and out are both fp32,
 // or both bf16 when bf16_io (widened on entry, rounded to nearest even once on exit: torch's
