@@ -23,7 +23,7 @@ class ExpertPlacement:
 
     phy2log [L, R] (or [R] for one layer), num_gpus G with R % G == 0, num_experts E (default: max id + 1).
     Attributes: phy2log [L, R], log2phy [L, E, X] (slots of each expert ascending, -1 padded), primary [L, E]
-    (log2phy[:, :, 0]: the only slot of experts without replicas),
+    (log2phy[:, :, 0]: the only slot of experts without replicas) and primary_rows (its L rows),
     logcnt [L, E], num_layers, num_experts, num_physical, num_gpus, slots_per_gpu.
     """
 
@@ -48,6 +48,7 @@ class ExpertPlacement:
             raise ValueError(f"phy2log: logical expert {e} has no slot in layer {l}")
         self.log2phy = _log2phy(p, self.logcnt)
         self.primary = self.log2phy[:, :, 0].contiguous()  # [L, E] each expert's first slot
+        self.primary_rows = self.primary.unbind(0)          # its rows as views, made once (hot path)
         # Layers where every expert has one replica map by a single gather (the decode hot path without
         # redundant slots): ~8 small ops per MoE layer less.
         self.single = (self.logcnt == 1).all(dim=1).tolist()
@@ -56,12 +57,13 @@ class ExpertPlacement:
         """Move the maps to the device the router output lives on (map_to_physical does no host sync)."""
         for name in ("phy2log", "log2phy", "logcnt", "primary"):
             setattr(self, name, getattr(self, name).to(device))
+        self.primary_rows = self.primary.unbind(0)
         return self
 
     def map_to_physical(self, topk_ids: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """topk_ids [T, k] logical ids -> [T, k] physical slot ids, by the rule in the module docstring."""
         if self.single[layer]:
-            return self.primary[layer][topk_ids.long()]
+            return self.primary_rows[layer][topk_ids.long()]
         flat = topk_ids.reshape(-1).long()
         order = torch.argsort(flat, stable=True)
         sorted_ids = flat[order]

@@ -50,7 +50,7 @@ class SparseMoeBlock(RoutedMoE):
         if self.eplb is None:
             return None, None
         recorder = self.eplb.recorder
-        return recorder.buf[recorder.pos, self.moe_index], self.eplb.placement.primary[self.moe_index]
+        return recorder.step_counts(self.moe_index), self.eplb.placement.primary_rows[self.moe_index]
 
     def _fused_weights_for(self, x: torch.Tensor, norm: RMSNorm) -> tuple | None:
         """cpu_ops.moe_block_weights where the C++ half-layer can run: CPU bf16 weights, no swiglu limit, and a
