@@ -10,7 +10,7 @@ from deepinfer.layers.gemm_plan import PLAN, bucket, buckets_up_to
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import FusedMoE, RoutedMoE
 from deepinfer.layers.norm import RMSNorm
-from deepinfer.models.llama import MLP, LlamaForCausalLM
+from deepinfer.models.llama import MLP, LlamaForCausalLM, member
 
 
 class SparseMoeBlock(RoutedMoE):
@@ -36,10 +36,10 @@ class SparseMoeBlock(RoutedMoE):
         if self.ep is not None or x.dim() != 2 or a.dtype != x.dtype \
                 or (self.eplb is not None and not self.eplb.placement.single[self.moe_index]):
             return None
-        experts = self.experts
-        key = (x.dtype, x.device.type, bucket(x.shape[0]), PLAN.invariant, norm.weight.data_ptr(),
-               self.gate.weight.data_ptr(), experts.gate_up_proj.data_ptr(), experts.down_proj.data_ptr(), experts.packed,
-               self.gate.packed)
+        experts, gate = member(self, "experts"), member(self, "gate")
+        key = (x.dtype, x.device.type, bucket(x.shape[0]), PLAN.invariant, member(norm, "weight").data_ptr(),
+               member(gate, "weight").data_ptr(), member(experts, "gate_up_proj").data_ptr(),
+               member(experts, "down_proj").data_ptr(), experts.packed, gate.packed)
         if key not in self._fused_weights:  # checked once per dtype, row bucket and set of tensors
             self._fused_weights[key] = self._fused_weights_for(x, norm)
         return self._fused_weights[key]
