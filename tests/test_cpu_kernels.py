@@ -93,7 +93,8 @@ def test_pack_bf16_pairs_lays_out_pairs_per_block_and_round_trips():
     assert torch.equal(blocks[1, 2, 5], w[16 + 5, 4:6]) and torch.equal(blocks[0, 0, 15], w[15, 0:2])
     stack = torch.randn(3, 48, 10).to(torch.bfloat16)
     assert torch.equal(cpu_ops.pack_bf16_pairs(stack)[2], cpu_ops.pack_bf16_pairs(stack[2]))
-    for bad in (torch.zeros(24, 6), torch.zeros(32, 5)):
+    # (2, 8, 6): 16 rows in all, but a block would span both matrices.
+    for bad in (torch.zeros(24, 6), torch.zeros(32, 5), torch.zeros(2, 8, 6)):
         with pytest.raises(ValueError, match="multiple of 16"):
             cpu_ops.pack_bf16_pairs(bad.to(torch.bfloat16))
 

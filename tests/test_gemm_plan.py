@@ -119,7 +119,7 @@ def test_experts_sent_to_torch_match_the_kernel(monkeypatch, packed):
         assert moe.packed
     plan = GemmPlan()
     plan.expert_paths(moe.gate_up_proj, moe.down_proj, [1, 2, 4], packed)  # calibrated, then overridden below
-    key = (gemm_plan._expert_kind(packed), 32, 48)
+    key = (gemm_plan._kind("experts", packed), 32, 48)
     for rows in (2, 4):
         plan.table[(*key, rows)] = "torch-bf16"
     plan.table[(*key, 1)] = plan.cpu_paths(packed=packed)[-1]

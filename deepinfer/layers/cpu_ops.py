@@ -66,9 +66,12 @@ def pack_bf16_pairs(w: torch.Tensor, unpack: bool = False) -> torch.Tensor:
     """w [..., N, K] bf16 -> the same shape holding each matrix as [N/16][K/2][16][2]: per 16 outputs, each pair
     of k's weights side by side (what the kernels read with packed=True); unpack: the inverse."""
     _check(w, "w", torch.bfloat16, w.dim())
-    n, k = w.shape[-2:]
+    if w.dim() < 2 or w.shape[-2] % PAIR_BLOCK or w.shape[-1] % 2:
+        raise ValueError(f"pack_bf16_pairs: w must be [..., N, K] with N a multiple of {PAIR_BLOCK} and K even, "
+                         f"got {tuple(w.shape)}")
+    k = w.shape[-1]
     out = torch.empty_like(w)
-    _C.pack_bf16_pairs(w.data_ptr(), out.data_ptr(), w.numel() // k, k, unpack)  # blocks never cross matrices
+    _C.pack_bf16_pairs(w.data_ptr(), out.data_ptr(), w.numel() // k, k, unpack)  # N % 16 == 0: blocks stay in a matrix
     return out
 
 

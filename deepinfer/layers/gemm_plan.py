@@ -153,7 +153,7 @@ class GemmPlan:
         if dtype not in cpu_ops.STREAM_DTYPES:
             return "torch-fp32"
         self._load()
-        key = _key(_linear_kind(packed), dtype, *w.shape, bucket(m))
+        key = _key(_kind("linear", packed), dtype, *w.shape, bucket(m))
         if key not in self.table:
             self._calibrate_linear(dtype, w, [bucket(m)], packed)
             self.model_shapes.add(key[:-1])
@@ -174,7 +174,7 @@ class GemmPlan:
         if self.invariant:
             return self._invariant_path(torch.bfloat16, packed), []
         self._load()
-        kind, shape = _expert_kind(packed), _expert_shape(w13)
+        kind, shape = _kind("experts", packed), _expert_shape(w13)
         missing = sorted({bucket(c) for c in counts if c and _key(kind, *shape, bucket(c)) not in self.table})
         if missing:
             self._calibrate_experts(w13, w2, missing, packed)
@@ -214,13 +214,13 @@ class GemmPlan:
         for mod in model.modules():
             if isinstance(mod, Linear) and mod.weight.dtype == torch.bfloat16:
                 w = mod.weight.data
-                head = (_linear_kind(mod.packed), dtype, *w.shape)
+                head = (_kind("linear", mod.packed), dtype, *w.shape)
                 if head not in seen:
                     seen.add(head)
                     self._calibrate_linear(dtype, w, [b for b in todo if _key(*head, b) not in self.table], mod.packed)
             elif isinstance(mod, FusedMoE) and mod.gate_up_proj.dtype == torch.bfloat16:
                 w13, w2 = mod.gate_up_proj.data, mod.down_proj.data
-                head = (_expert_kind(mod.packed), *_expert_shape(w13))
+                head = (_kind("experts", mod.packed), *_expert_shape(w13))
                 if head not in seen:
                     seen.add(head)
                     self._calibrate_experts(w13, w2, [b for b in todo if _key(*head, b) not in self.table], mod.packed)
@@ -236,7 +236,7 @@ class GemmPlan:
             x = torch.randn(m, k, generator=gen).to(dtype)
             paths = self.cpu_paths(dtype, m, packed) + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
             _, times = fastest({p: (lambda p=p: run_linear(p, x, next(ring)[0], None, packed=packed)) for p in paths})
-            self.table[_key(_linear_kind(packed), dtype, n, k, m)] = _choose(times)
+            self.table[_key(_kind("linear", packed), dtype, n, k, m)] = _choose(times)
             logger.debug("GEMM calibration linear %dx%d rows %d: %s", n, k, m, _fmt(times))
         self._save()
 
@@ -263,7 +263,7 @@ class GemmPlan:
                                  cpu_ops.row_major(w2s[i], packed), math.inf)
 
             times = fastest({p: (lambda p=p: run(p)) for p in paths})[1]
-            self.table[_key(_expert_kind(packed), h, two_i, m)] = _choose(times)
+            self.table[_key(_kind("experts", packed), h, two_i, m)] = _choose(times)
             logger.debug("GEMM calibration experts h %d 2i %d rows %d: %s", h, two_i, m, _fmt(times))
         self._save()
 
@@ -365,12 +365,9 @@ def _label(head: str) -> str:
     return f"experts H {p[1]} 2I {p[2]}{packed}"
 
 
-def _linear_kind(packed: bool) -> str:
-    return "linear-packed" if packed else "linear"
-
-
-def _expert_kind(packed: bool) -> str:
-    return "experts-packed" if packed else "experts"
+def _kind(base: str, packed: bool) -> str:
+    """A key's kind: "linear" / "experts", with "-packed" for weights in bf16 pairs."""
+    return f"{base}-packed" if packed else base
 
 
 def _expert_shape(w13: torch.Tensor) -> tuple[int, int]:
