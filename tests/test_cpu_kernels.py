@@ -191,7 +191,8 @@ def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monke
         post, comb, collapsed = cpu_ops.hc_pre(streams, fn, base, scale, 3, 1e-6, 1e-6)
         merged = cpu_ops.hc_merge(block_out, streams, post, comb)
         return (post, comb, collapsed, merged, cpu_ops.v4_decode_attention(q, ring, ring_len, comp, valid, sinks, 0.1),
-                cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1))
+                cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1),
+                cpu_ops.paged_decode_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.1))
 
     monkeypatch.setattr(platform, "kernel_threads", lambda: 1)
     ref = run()
@@ -202,25 +203,35 @@ def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monke
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, d", [(16, 4, 64), (4, 4, 37), (6, 1, 128)])
-def test_paged_decode_attention_matches_a_per_sequence_softmax(dtype, heads, kv_heads, d):
+@pytest.mark.parametrize("heads, kv_heads, d", [(16, 4, 64), (4, 4, 37), (6, 1, 128), (12, 2, 96)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_paged_decode_attention_matches_a_per_sequence_softmax(dtype, heads, kv_heads, d, block_size):
     """Decode through the block tables (scattered block ids, -1 padding, contexts of 1 key, a block
-    boundary and a full table) against softmax(q k^T * scale) v per sequence in fp64; bf16 to one step
-    of the single output rounding."""
-    from deepinfer.layers.cpu_ops import paged_decode_attention
+    boundary and a full table) against softmax(q k^T * scale) v per sequence in fp64, on every path this
+    CPU runs for the dtype (bf16 dot products: head_dim 64, 128, 96 = 64 + 32, query groups of 4, 1, 6 =
+    4 + 2, chunks of 16 keys across blocks of 5); bf16 to one step of the single output rounding."""
+    from deepinfer.layers.cpu_ops import decode_attention_isas, paged_decode_attention
 
     g = torch.Generator().manual_seed(heads + d)
-    block_size, max_blocks = 16, 5
-    lens = torch.tensor([1, 16, 17, 80, 33, 50])
-    k_cache = torch.randn(40, block_size, kv_heads, d, generator=g).to(dtype)
-    v_cache = torch.randn(40, block_size, kv_heads, d, generator=g).to(dtype)
+    max_blocks = (80 + block_size - 1) // block_size
+    lens = torch.tensor([1, 16, 17, 80, 33, 50, 15])
+    k_cache = torch.randn(64, block_size, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(64, block_size, kv_heads, d, generator=g).to(dtype)
     tables = torch.full((len(lens), max_blocks), -1, dtype=torch.int64)
-    ids = torch.randperm(40, generator=g)
+    ids = torch.randperm(64, generator=g)
     for b, n in enumerate(lens.tolist()):
         used = (n + block_size - 1) // block_size
         tables[b, :used], ids = ids[:used], ids[used:]
     q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+    paths = decode_attention_isas(dtype, d)
+    assert ("avx512bf16" in paths) == (dtype == torch.bfloat16 and d % 32 == 0 and "avx512bf16" in cpu_ops.GEMM_ISAS)
+    for isa in paths:
+        _check_paged_attention(paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, isa=isa),
+                               q, k_cache, v_cache, tables, lens, block_size)
+
+
+def _check_paged_attention(out, q, k_cache, v_cache, tables, lens, block_size):
+    heads, kv_heads, d, dtype = q.shape[1], k_cache.shape[2], q.shape[2], q.dtype
     for b, n in enumerate(lens.tolist()):
         rows = tables[b, :(n + block_size - 1) // block_size]
         keys = k_cache[rows].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, 1)   # [n, H, D]
@@ -229,6 +240,15 @@ def test_paged_decode_attention_matches_a_per_sequence_softmax(dtype, heads, kv_
         ref = torch.einsum("hn,nhd->hd", p, values)
         tol = dict(rtol=2 ** -7, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out[b].double(), ref.to(dtype).double(), **tol)
+
+
+def test_paged_decode_attention_refuses_a_path_that_does_not_run_the_inputs():
+    from deepinfer.layers.cpu_ops import paged_decode_attention
+
+    cache = torch.zeros(2, 16, 1, 64)
+    with pytest.raises(ValueError, match="isa 'avx512bf16' does not run torch.float32"):
+        paged_decode_attention(torch.zeros(1, 2, 64), cache, cache, torch.tensor([[0, 1]]), torch.tensor([3]), 1.0,
+                               isa="avx512bf16")
 
 
 def test_paged_decode_attention_rejects_contexts_outside_the_table():

@@ -32,7 +32,8 @@ AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, voi
                           q, bf16, num_threads))
     return AttentionBlockStatus::BAD_POSITION_OR_SLOT;
   paged_decode_attention(q, b.k_cache, b.v_cache, block_tables, context_lens, b.scale, attn, bf16, T,
-                         b.heads, b.kv_heads, D, b.block_size, max_blocks, num_threads);
+                         b.heads, b.kv_heads, D, b.block_size, max_blocks, num_threads,
+                         decode_attention_isa(bf16, D));
   linear_bf16(attn, b.o, b.o_bias, out, bf16, T, q_width, b.hidden, b.o_mode, num_threads);
   return AttentionBlockStatus::OK;
 }

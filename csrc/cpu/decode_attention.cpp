@@ -18,15 +18,32 @@ namespace deepinfer {
 // attention_avx512.cpp: attention_kernel.h compiled for AVX-512.
 void attend_group_avx512(const float* q, int64_t G, const float* keys, const float* values, int64_t n, int64_t D,
                          int64_t ld, float scale, const float* sinks, float* p, float* out);
+// attention_avx512bf16.cpp: one sequence on bf16 q and caches, keys never widened.
+size_t paged_sequence_avx512bf16_bytes(int64_t H, int64_t D, int64_t max_keys);
+void paged_sequence_avx512bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                               int64_t n, float scale, uint16_t* out, int64_t H, int64_t Hkv, int64_t D,
+                               int64_t block_size, char* work);
 
 namespace {
 
 using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float,
                           const float*, float*, float*);
 
-// The widest instantiation this CPU runs.
+// The widest fp32 instantiation this CPU runs.
 AttendFn attend_fn() {
   return isa_supported(Isa::AVX512) ? attend_group_avx512 : attn::attend_group<Avx2>;
+}
+
+// Sequences [b0, b1) of paged_decode_attention on the AVX512_BF16 path.
+void paged_sequences_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                          const int64_t* block_tables, const int64_t* context_lens, float scale, uint16_t* out,
+                          int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int64_t b0,
+                          int64_t b1) {
+  Scratch<char> work(ScratchUse::DECODE_ATTENTION, paged_sequence_avx512bf16_bytes(H, D, max_blocks * block_size));
+  for (int64_t b = b0; b < b1; ++b)
+    paged_sequence_avx512bf16(q + b * H * D, k_cache, v_cache, block_tables + b * max_blocks,
+                              std::min(context_lens[b], max_blocks * block_size), scale, out + b * H * D, H, Hkv, D,
+                              block_size, work.data());
 }
 
 // V4 sequence b: gathers its valid keys into kv [n, D] fp32, then all H heads over it (K = V). work: (W + K) * D +
@@ -62,15 +79,32 @@ void v4_decode_attention(const void* q, const void* ring, const int64_t* ring_le
   });
 }
 
-// Task b: sequence b's keys and values widened to fp32 [n, Hkv, D] buffers one cache block at a time (a
+bool decode_attention_runs(Isa isa, bool bf16, int64_t D) {
+  if (isa == Isa::AVX512_BF16) return bf16 && D % 32 == 0 && isa_supported(isa);
+  return (isa == Isa::AVX2 || isa == Isa::AVX512) && isa_supported(isa);
+}
+
+Isa decode_attention_isa(bool bf16, int64_t D) {
+  for (Isa isa : {Isa::AVX512_BF16, Isa::AVX512})
+    if (decode_attention_runs(isa, bf16, D)) return isa;
+  return Isa::AVX2;
+}
+
+// AVX2 / AVX512, task b: sequence b's keys and values widened to fp32 [n, Hkv, D] buffers one cache block at a time (a
 // block's rows of all kv heads are one contiguous run: one widening loop per block, not one per row and
 // head); then each kv head's H / Hkv query heads at once, reading its keys at a stride of Hkv * D.
 void paged_decode_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                             const int64_t* context_lens, float scale, void* out, bool bf16, int64_t B, int64_t H,
-                            int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int num_threads) {
+                            int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int num_threads, Isa isa) {
   const int64_t group = H / Hkv, max_keys = max_blocks * block_size, row = Hkv * D;
   const int threads = threads_for(B * H * max_keys * D, num_threads, 1 << 20);
-  const AttendFn attend = attend_fn();
+  if (isa == Isa::AVX512_BF16)
+    return parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
+      paged_sequences_bf16(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
+                           static_cast<const uint16_t*>(v_cache), block_tables, context_lens, scale,
+                           static_cast<uint16_t*>(out), H, Hkv, D, block_size, max_blocks, b0, b1);
+    });
+  const AttendFn attend = isa == Isa::AVX512 ? attend_group_avx512 : attn::attend_group<Avx2>;
   parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
     // This thread's buffers (no zeroing: only what a sequence writes is read): keys, values [max_keys, Hkv, D],
     // q, out [H, D], p [group, max_keys].

@@ -356,12 +356,21 @@ void bind_cpu_kernels(py::module_& m) {
       "paged_decode_attention",
       [](uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t context_lens, float scale,
          uintptr_t out, bool bf16, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
-         int threads) {
+         int threads, int isa) {
         paged_decode_attention(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k_cache),
                                reinterpret_cast<const void*>(v_cache), reinterpret_cast<const int64_t*>(block_tables),
                                reinterpret_cast<const int64_t*>(context_lens), scale, reinterpret_cast<void*>(out), bf16,
-                               B, H, Hkv, D, block_size, max_blocks, threads);
+                               B, H, Hkv, D, block_size, max_blocks, threads, static_cast<Isa>(isa));
       },
       py::call_guard<py::gil_scoped_release>(),
-      "Paged GQA decode attention: q [B,H,D] over each sequence's first context_lens keys of its block table");
+      "Paged GQA decode attention: q [B,H,D] over each sequence's first context_lens keys of its block table, on "
+      "path isa (one decode_attention_runs accepts)");
+  m.def(
+      "decode_attention_runs",
+      [](int isa, bool bf16, int64_t D) { return decode_attention_runs(static_cast<Isa>(isa), bf16, D); },
+      "Whether paged_decode_attention has path isa for these inputs on this CPU");
+  m.def(
+      "decode_attention_isa",
+      [](bool bf16, int64_t D) { return static_cast<int>(decode_attention_isa(bf16, D)); },
+      "The fastest paged_decode_attention path for these inputs on this CPU");
 }

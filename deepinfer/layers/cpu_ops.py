@@ -525,11 +525,21 @@ def v4_decode_attention(q: torch.Tensor, ring: torch.Tensor, ring_len: torch.Ten
     return out
 
 
+def decode_attention_isas(dtype: torch.dtype, head_dim: int) -> list[str]:
+    """The paths paged_decode_attention runs here for this dtype and head size: "avx512bf16" (bf16 dot products
+    on bf16 caches, head_dim a multiple of 32), "avx512", "avx2" (widened to fp32)."""
+    bf16 = dtype == torch.bfloat16
+    return [isa for isa in ("avx512bf16", "avx512", "avx2")
+            if isa in GEMM_ISAS and _C.decode_attention_runs(GEMM_ISAS[isa], bf16, head_dim)]
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           isa: str | None = None) -> torch.Tensor:
     """q [B, H, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, max_blocks] (-1 padded);
     context_lens [B] >= 1 -> [B, H, D]: each query over its sequence's first context_lens cached keys.
-    All of q and the caches fp32, or all bf16. See csrc/cpu/decode_attention.h."""
+    All of q and the caches fp32, or all bf16. isa: one of decode_attention_isas (None: the fastest).
+    See csrc/cpu/decode_attention.h."""
     _check(q, "q", STREAM_DTYPES, 3)
     _check(k_cache, "k_cache", q.dtype, 4)
     _check(v_cache, "v_cache", q.dtype, 4)
@@ -541,8 +551,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"block_tables {tuple(tables.shape)}, context_lens {tuple(lens.shape)}")
     if b and (int(lens.min()) < 1 or int(lens.max()) > tables.shape[1] * block_size):
         raise ValueError(f"context_lens must lie in [1, {tables.shape[1] * block_size}], got {lens.tolist()}")
+    paths = decode_attention_isas(q.dtype, d)
+    if isa is not None and isa not in paths:
+        raise ValueError(f"paged_decode_attention: isa {isa!r} does not run {q.dtype} with head_dim {d} here; "
+                         f"available: {paths}")
     out = torch.empty_like(q)
     _C.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                               float(scale), out.data_ptr(), q.dtype == torch.bfloat16, b, h, hkv, d, block_size,
-                              tables.shape[1], platform.kernel_threads())
+                              tables.shape[1], platform.kernel_threads(),
+                              GEMM_ISAS[isa] if isa else _C.decode_attention_isa(q.dtype == torch.bfloat16, d))
     return out
