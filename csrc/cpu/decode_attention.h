@@ -1,6 +1,7 @@
 #pragma once
-// Decode attention on the CPU: one query row per sequence, keys widened to fp32 once per sequence (and
-// kv head) and read by every query head that shares them.
+// Decode attention on the CPU: one query row per sequence, each key read once for every query head that shares
+// it: widened to fp32 once per sequence, or (bf16 on AVX512-BF16 CPUs, attention_avx512bf16.cpp) multiplied as
+// bf16 pairs in place.
 //
 // DeepSeek-V4 decode attention (tilelang_ops/v4_decode_attention.py states the math; its torch
 // reference spends most of its ~1.8 ms per medium-model layer at batch 16 on copies and dispatch).
