@@ -14,6 +14,7 @@
 
 #include "cpu/attention_kernel.h"
 #include "cpu/bf16.h"
+#include "cpu/simd.h"
 
 #pragma GCC push_options
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_*, which -Wmaybe-uninitialized misreads.
@@ -122,8 +123,6 @@ void value_pass(int heads, const float* p, int64_t ldp, int64_t n, const uint16_
     default: return weigh_values<HEADS, DR>(p, ldp, n, cache, rows, out, D);
   }
 }
-
-int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 // The 16 rows at cache + rows[j] (row elements each: all kv heads) fetched towards L1 ahead of their use.
 void prefetch_rows(const uint16_t* cache, const int64_t* rows, int64_t row) {

@@ -29,10 +29,8 @@ namespace {
 using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float,
                           const float*, float*, float*);
 
-// The widest fp32 instantiation this CPU runs.
-AttendFn attend_fn() {
-  return isa_supported(Isa::AVX512) ? attend_group_avx512 : attn::attend_group<Avx2>;
-}
+// The fp32 instantiation for isa (AVX512 or AVX2).
+AttendFn attend_fn(Isa isa) { return isa == Isa::AVX512 ? attend_group_avx512 : attn::attend_group<Avx2>; }
 
 // Sequences [b0, b1) of paged_decode_attention on the AVX512_BF16 path.
 void paged_sequences_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
@@ -71,7 +69,7 @@ void v4_decode_attention(const void* q, const void* ring, const int64_t* ring_le
                          int64_t H, int64_t D, int64_t W, int64_t K, int num_threads) {
   // Sequences split across threads only when each gets enough work to beat the wake-up cost.
   const int threads = threads_for(B * H * (W + K) * D, num_threads, 1 << 22);
-  const AttendFn attend = attend_fn();
+  const AttendFn attend = attend_fn(decode_attention_isa(false, D));
   parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
     Scratch<float> work(ScratchUse::DECODE_ATTENTION, (W + K) * D + H * (2 * D + W + K));
     for (int64_t b = b0; b < b1; ++b)
@@ -104,7 +102,7 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
                            static_cast<const uint16_t*>(v_cache), block_tables, context_lens, scale,
                            static_cast<uint16_t*>(out), H, Hkv, D, block_size, max_blocks, b0, b1);
     });
-  const AttendFn attend = isa == Isa::AVX512 ? attend_group_avx512 : attn::attend_group<Avx2>;
+  const AttendFn attend = attend_fn(isa);
   parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
     // This thread's buffers (no zeroing: only what a sequence writes is read): keys, values [max_keys, Hkv, D],
     // q, out [H, D], p [group, max_keys].

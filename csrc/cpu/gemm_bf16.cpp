@@ -57,8 +57,6 @@ constexpr int64_t DONE_CHUNK_BYTES = 256 << 10;
 // for every M: a row's tile products do not depend on the other rows.
 constexpr int64_t AMX_MIN_ROWS = 3;
 
-int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
-
 // x [M, K] -> [ceil(M/16)][K][16], rows past M zero; written in order, from 16 sequential read streams.
 std::vector<float> transpose_x(const float* x, int64_t M, int64_t K) {
   int64_t groups = (M + GEMM_GROUP - 1) / GEMM_GROUP;

@@ -1,10 +1,14 @@
 #pragma once
-// Vector helpers shared by the CPU kernels (AVX2 + FMA; the extension is built with -march=native).
+// Helpers shared by the CPU kernels: vector ones (AVX2 + FMA; the extension is built with -march=native) and
+// round_up.
 #include <immintrin.h>
 
 #include <cstdint>
 
 namespace deepinfer {
+
+// v rounded up to a multiple of to (> 0).
+inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 // Sum of the 8 lanes, in a fixed order.
 inline float hsum(__m256 v) {
