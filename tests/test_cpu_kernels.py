@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer import LLM, platform
+from deepinfer import LLM, _C, platform
 from deepinfer.layers import cpu_ops
 from deepinfer.layers.attention import store_kv
 from deepinfer.layers.cpu_ops import BF16_INPUT_ISAS, GEMM_ISAS, grouped_experts_bf16, linear_bf16
@@ -99,12 +99,23 @@ def test_pack_bf16_pairs_lays_out_pairs_per_block_and_round_trips():
             cpu_ops.pack_bf16_pairs(bad.to(torch.bfloat16))
 
 
+@pytest.fixture(params=[True, False], ids=["single-panel", "parallel-panels"])
+def panel_order(request):
+    """Packed GEMMs of up to 4 rows read one weight panel at a time, or several in parallel (the default depends
+    on the machine's huge pages): both orders run here."""
+    before = _C.set_single_panel_stream(request.param)
+    yield request.param
+    _C.set_single_panel_stream(before)
+
+
 @pytest.mark.parametrize("isa", PACKED)
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 40, 130])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 40, 130])
 @pytest.mark.parametrize("k, n", [(64, 96), (38, 272), (1024, 1104)])
-def test_packed_linear_matches_reference_alone_in_a_batch_and_on_any_thread_count(m, k, n, isa, monkeypatch):
+def test_packed_linear_matches_reference_alone_in_a_batch_and_on_any_thread_count(m, k, n, isa, panel_order,
+                                                                                  monkeypatch):
     """Packed weights: the fp32 reference on bf16-rounded x; each row's bits are the same alone as in the batch
-    (every tile sums its lanes in k order), and on 1 or 2 threads (n 1104 splits over the pool)."""
+    (every tile sums its lanes in k order), on 1 or 2 threads (n 1104 splits over the pool), and whichever
+    order the panels are read in."""
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
@@ -116,6 +127,8 @@ def test_packed_linear_matches_reference_alone_in_a_batch_and_on_any_thread_coun
     for r in {0, m // 2, m - 1}:
         assert torch.equal(linear_bf16(x[r:r + 1], wp, bias, isa=isa, packed=True), out[r:r + 1]), r
     monkeypatch.setattr(platform, "kernel_threads", lambda: 2)
+    assert torch.equal(linear_bf16(x, wp, bias, isa=isa, packed=True), out)
+    _C.set_single_panel_stream(not panel_order)
     assert torch.equal(linear_bf16(x, wp, bias, isa=isa, packed=True), out)
 
 

@@ -36,6 +36,11 @@ inline GemmMode kernel_mode(int id, bool invariant, bool packed = false) {
 // Whether stream_rows (gemm_kernel.h) prefetches weights in software; defined in gemm_bf16.cpp, as the
 // ISA translation units must not define non-template code (the linker would keep one ISA's copy).
 bool stream_prefetch();
+// Whether packed weights are read one panel at a time for up to 4 rows of x (gemm_kernel.h, pair_cols): by default
+// where the engine's weights sit on 2 MiB pages (deepinfer/memory.py: wherever transparent huge pages are not off).
+// Either way each output's sum is the same; set_single_panel_stream overrides the default, returns the old value.
+bool single_panel_stream();
+bool set_single_panel_stream(bool on);
 
 constexpr int64_t GEMM_GROUP = 16;  // rows of x per outer-product group (the wide path)
 // AMX tiles (gemm_amx.cpp): 16 rows, of 32 bf16 (64 bytes) each.

@@ -185,8 +185,9 @@ void wide_range(const float* xt, const uint16_t* w, float* out, int64_t M, int64
   }
 }
 
-// How far ahead pair_tile prefetches, in panels (rounded up to whole tiles): one row from memory read 19-23 GB/s
-// at 6-8 panels ahead against 18-21 at 16 (Zen 4, one thread, C++ harness, runs alternated).
+// How far ahead a tile of several panels prefetches, in panels (rounded up to whole tiles): one row over 8 panels
+// from memory read 19-23 GB/s at 6-8 panels ahead against 18-21 at 16 (Zen 4, one thread, C++ harness, runs
+// alternated).
 constexpr int64_t PAIR_PREFETCH_PANELS = 6;
 
 // Weights in bf16 pairs (pack_bf16_pairs): each block of PAIR_BLOCK output columns is one panel
@@ -203,9 +204,10 @@ void pair_tile(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int
   const int64_t panel = PAIR_BLOCK * K;  // elements per block
   const uint16_t* p = w + b0 * panel;
   // The panels of the tile PAIR_PREFETCH_PANELS or more panels on, fetched into L2 while the first row block
-  // passes (later row blocks find the panels in L2).
+  // passes (later row blocks find the panels in L2). One panel at a time on 2 MiB pages is one sequential
+  // stream, which the hardware prefetchers follow alone.
   constexpr int64_t tiles_ahead = (PAIR_PREFETCH_PANELS + C - 1) / C;
-  const bool prefetch = m0 == 0 && (b0 + (tiles_ahead + 1) * C) * PAIR_BLOCK <= N;
+  const bool prefetch = m0 == 0 && (b0 + (tiles_ahead + 1) * C) * PAIR_BLOCK <= N && (C > 1 || !single_panel_stream());
   const uint16_t* ahead = p + tiles_ahead * C * panel;
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     typename V::wreg wv[C];
@@ -224,6 +226,11 @@ void pair_tile(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int
 // Column blocks per tile: as many as the registers hold beside R rows' accumulators (32 zmm: R * C + C + 1),
 // at most 8 panel streams (one row, K 512-1024, from memory: 8 panels read 1.1-1.4x faster than 1 or 2).
 constexpr int pair_cols(int R) { return R <= 2 ? 8 : R <= 4 ? 6 : R <= 6 ? 4 : 3; }
+// On 2 MiB pages (single_panel_stream) up to 4 rows read one panel after another instead: one sequential stream,
+// no software prefetch, read 1.05-1.15x faster at 1-2 rows than 8 panels in parallel, and 1.0-1.25x at 3-4
+// (Zen 4, one thread, K 1024 and 512, cold). From 6 rows the products are the bound, and one panel at a time
+// ran 1.2-1.5x slower.
+constexpr int SINGLE_PANEL_MAX_ROWS = 4;
 
 // Rows [m0, m0 + R) over column blocks [b0, b1), C blocks per tile, the rest in tiles of C/2, C/4, ..., 1: a
 // thread's short share (9 or 12 blocks of 1024 or 1536 outputs on two threads) keeps several panel streams
@@ -240,6 +247,8 @@ void pair_blocks(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, i
 template <class V, int C>
 void pair_rows(int64_t rows, const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t K, int64_t N,
                int64_t b0, int64_t b1) {
+  if (C == 0 && rows <= SINGLE_PANEL_MAX_ROWS && single_panel_stream())
+    return pair_rows<V, 1>(rows, x, w, out, m0, K, N, b0, b1);
   switch (rows) {
     case 1: return pair_blocks<V, 1, C ? C : pair_cols(1)>(x, w, out, m0, K, N, b0, b1);
     case 2: return pair_blocks<V, 2, C ? C : pair_cols(2)>(x, w, out, m0, K, N, b0, b1);
