@@ -15,6 +15,8 @@ def write_section(title: str, body: str, path: str = DOC) -> None:
                 continue
         if not skipping:
             out.append(line)
+    while out and not out[-1].strip():  # the removed section's blank lines would pile up on each rewrite
+        out.pop()
     out += ["", f"## {title}", "", body.strip(), ""]
     with open(path, "w") as f:
         f.write("\n".join(out).rstrip() + "\n")

@@ -301,3 +301,14 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
     second = run()
     assert "skip tiny-dp1-b1 round 1 (done" in second.stdout and "skip tiny-dp1-b1 round 2 (done" in second.stdout
     assert (out / "points" / "tiny-dp1-b1-r1.json").stat().st_mtime == mtime
+
+
+def test_write_section_replaces_a_section_and_rewrites_are_idempotent(tmp_path):
+    from deepinfer.docs import write_section
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## A\n\nold a\n\n\n\n## B\n\nold b\n")
+    write_section("A", "new a", str(doc))
+    once = doc.read_text()
+    assert once == "# Benchmarks\n\n## B\n\nold b\n\n## A\n\nnew a\n"
+    write_section("A", "new a", str(doc))
+    assert doc.read_text() == once
