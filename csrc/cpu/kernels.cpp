@@ -107,6 +107,8 @@ void bind_cpu_kernels(py::module_& m) {
       },
       "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N] bf16, 0 for none); x and out both fp32 or both bf16 (bf16_io)");
   m.attr("PAIR_BLOCK") = PAIR_BLOCK;
+  m.def("single_panel_stream", &single_panel_stream,
+        "Whether packed GEMMs of up to 4 rows read one weight panel at a time (see set_single_panel_stream)");
   m.def("set_single_panel_stream", &set_single_panel_stream, py::arg("on"),
         "Packed GEMMs of up to 4 rows read one weight panel at a time (on) or several in parallel; returns the "
         "previous setting (default: on where transparent huge pages are not off)");

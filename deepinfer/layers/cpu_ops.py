@@ -75,6 +75,13 @@ def pack_bf16_pairs(w: torch.Tensor, unpack: bool = False) -> torch.Tensor:
     return out
 
 
+def packed_read_order() -> str:
+    """How the packed kernel reads weights for few rows of x (csrc/cpu/gemm_kernel.h, pair_cols), for logs."""
+    if _C.single_panel_stream():
+        return "up to 4 rows: one panel at a time (2 MiB pages)"
+    return "up to 4 rows: 8 panels in parallel, software-prefetched (4 KiB pages)"
+
+
 def row_major(w: torch.Tensor, packed: bool) -> torch.Tensor:
     """w [..., N, K] as row-major weights: unpacked (a copy) when packed, else w itself."""
     return pack_bf16_pairs(w, unpack=True) if packed else w
