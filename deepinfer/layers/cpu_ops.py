@@ -75,11 +75,14 @@ def pack_bf16_pairs(w: torch.Tensor, unpack: bool = False) -> torch.Tensor:
     return out
 
 
-def packed_read_order() -> str:
-    """How the packed kernel reads weights for few rows of x (csrc/cpu/gemm_kernel.h, pair_cols), for logs."""
-    if _C.single_panel_stream():
-        return "up to 4 rows: one panel at a time (2 MiB pages)"
-    return "up to 4 rows: 8 panels in parallel, software-prefetched (4 KiB pages)"
+def packed_read_order() -> str | None:
+    """How the packed kernel reads weights for few rows of x (csrc/cpu/gemm_kernel.h, pair_cols), for logs and
+    reports; None where this CPU has no packed kernel."""
+    if PACKED_ISA is None:
+        return None
+    order = "one panel at a time (2 MiB pages)" if _C.single_panel_stream() \
+        else "8 panels in parallel, software-prefetched (4 KiB pages)"
+    return f"packed weights ({PACKED_ISA}), up to 4 rows: {order}"
 
 
 def row_major(w: torch.Tensor, packed: bool) -> torch.Tensor:

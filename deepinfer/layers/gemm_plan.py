@@ -199,8 +199,8 @@ class GemmPlan:
             self._calibrate_model(model, dtype, buckets_up_to(max_rows))
             prefill, torch_threads = self.describe(), torch.get_num_threads()
         self._load()
-        if cpu_ops.PACKED_ISA:
-            logger.info("GEMM plan: packed weights (%s): %s", cpu_ops.PACKED_ISA, cpu_ops.packed_read_order())
+        if packed := cpu_ops.packed_read_order():
+            logger.info("GEMM plan: %s", packed)
         for line in decode:
             logger.info("GEMM plan: %s", line)
         if self._loaded_threads[0] != torch_threads:
@@ -282,9 +282,9 @@ class GemmPlan:
 
     def report(self) -> str:
         """The CPU's flags and the paths chosen so far, for a benchmark's output."""
-        packed = [f"Packed weights ({cpu_ops.PACKED_ISA}): {cpu_ops.packed_read_order()}"] if cpu_ops.PACKED_ISA else []
-        return "\n".join([f"CPU: {platform.cpu_flags()}"] + packed + ["GEMM plan (shape: rows -> path):"] +
-                          [f"- {line}" for line in self.describe()])
+        packed = cpu_ops.packed_read_order()
+        return "\n".join([f"CPU: {platform.cpu_flags()}"] + ([packed] if packed else []) +
+                         ["GEMM plan (shape: rows -> path):"] + [f"- {line}" for line in self.describe()])
 
     def _file(self) -> str:
         return platform.cache_path("gemm_plans", PLAN_FORMAT, *_threads())
