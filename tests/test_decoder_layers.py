@@ -99,3 +99,34 @@ def test_engine_takes_one_call_per_decode_step_with_unchanged_outputs(tiny_qwen3
     monkeypatch.setattr(SparseMoeBlock, "fused_weights", lambda self, x, a, norm: None)
     torch_moe, _ = generate()
     assert [tokens for tokens, _ in torch_moe] == [tokens for tokens, _ in stacked]  # the torch MoE path
+
+
+def test_layers_are_checked_once_per_input_kind_until_weights_change(tiny_qwen3_moe, monkeypatch):
+    """The model checks its layers once per (rows bucket, decode or not) and expert placement, not every step;
+    weights_changed() and a new EPLB placement make it check again, so a layer that can no longer run fused
+    leaves decoder_layers."""
+    from eplb.placement import ExpertPlacement
+
+    monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
+    llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20)
+    checks, calls = [], []
+    check, real = LlamaForCausalLM._check_fused_layers, cpu_ops.decoder_layers
+    monkeypatch.setattr(LlamaForCausalLM, "_check_fused_layers",
+                        lambda self, x, meta: checks.append(meta.max_query_len) or check(self, x, meta))
+    monkeypatch.setattr(cpu_ops, "decoder_layers", lambda *a: calls.append(1) or real(*a))
+
+    def generate():
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+        return out, len(checks), len(calls)
+
+    tokens, n_checks, n_calls = generate()
+    assert (n_checks, n_calls) == (2, 5) and checks == [3, 1]  # the prefill's kind, then one decode kind
+    assert generate() == (tokens, 2, 10)
+    eplb = llm.engine.eplb
+    eplb.placement = ExpertPlacement(eplb.placement.phy2log, eplb.placement.num_gpus, eplb.placement.num_experts)
+    assert generate() == (tokens, 4, 15)
+    monkeypatch.setattr(SparseMoeBlock, "fused_weights", lambda self, x, a, norm: None)
+    assert generate() == (tokens, 4, 20)  # still the checked layers: nothing said the weights changed
+    llm.engine.model.weights_changed()
+    assert generate() == (tokens, 6, 20)  # checked again: the MoE half cannot run fused, so no decoder_layers

@@ -169,6 +169,7 @@ class DPRankWorker:
             b.experts = shard_experts(b.experts, slots)
             b.ep = ExpertParallel(self.rank, self.world_size, placement.slots_per_gpu, top_k,
                                   self.engine.config.dtype, self.group.ep_group, stats)
+        getattr(self.engine.model, "weights_changed", lambda: None)()
         platform.set_threads(self.engine.config.num_threads)
         return [(b.ep, b.experts) for b in blocks], stats
 

@@ -8,6 +8,7 @@
     forward(input_ids [T], meta: AttentionMetadata) -> hidden [T, H]
     compute_logits(hidden [N, H]) -> logits [N, V] (fp32)
     load_weights(weights: Iterable[(hf_name, Tensor)]) -> None   # raises on missing/extra/misshapen
+    weights_changed() -> None                 # optional: weights were moved or sharded after loading
 """
 import importlib
 

@@ -135,14 +135,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
 
     def fused_weights(self, x: torch.Tensor, meta: AttentionMetadata) -> tuple | None:
-        """This layer as one entry of cpu_ops.decoder_layers' `layers`, or None where its fused halves cannot run
-        these inputs (or its MLP has no fused half)."""
+        """(attention, MLP) weights of this layer's entry in cpu_ops.decoder_layers' `layers` (the MLP's
+        load_tensors complete it each step), or None where its fused halves cannot run these inputs (or its MLP has
+        no fused half)."""
         block = member(self, "mlp")
         fused = getattr(block, "fused_weights", None)
         attn = member(self, "self_attn").fused_weights(x, member(self, "input_layernorm"), meta) \
             if fused is not None else None
         mlp = fused(x, x, member(self, "post_attention_layernorm")) if attn is not None else None
-        return None if mlp is None else (attn, mlp, *block.load_tensors())
+        return None if mlp is None else (attn, mlp)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         a = self.self_attn.fused_decode(x, self.input_layernorm, meta)
@@ -178,6 +179,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
         self.tie_word_embeddings = bool(hf_get(cfg, "tie_word_embeddings", default=False))
         self.lm_head = None if self.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        # _fused_layers' checks by input kind, valid for one expert placement and until weights_changed().
+        self._fused: dict[tuple, list | None] = {}
+        self._fused_placement = None
 
     def make_mlp(self, cfg, layer: int, dtype) -> nn.Module:
         return MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
@@ -197,6 +201,11 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.self_attn.k_cache = paged[f"layers.{i}.k"]
             layer.self_attn.v_cache = paged[f"layers.{i}.v"]
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Forgets which layers run fused: their weights, caches or expert sharding changed."""
+        self._fused.clear()
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
@@ -211,14 +220,32 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[tuple] | None:
-        """Every layer's DecoderLayer.fused_weights, or None unless all of them can run fused."""
-        layers = []
+        """cpu_ops.decoder_layers' `layers` for this step, or None unless every layer can run fused. Checking the
+        layers cost ~20 us each per step at batch 1, so they are checked once per input kind and expert placement."""
+        placement = self._placement()
+        if placement is not self._fused_placement:
+            self._fused.clear()
+            self._fused_placement = placement
+        key = (x.dtype, x.device.type, x.dim(), bucket(x.shape[0]), meta.max_query_len == 1, PLAN.invariant)
+        if key not in self._fused:
+            self._fused[key] = self._check_fused_layers(x, meta)
+        checked = self._fused[key]
+        return None if checked is None else [(attn, mlp, *block.load_tensors()) for attn, mlp, block in checked]
+
+    def _check_fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[tuple] | None:
+        """[(attention weights, MLP weights, MLP)] per layer (DecoderLayer.fused_weights), or None."""
+        checked = []
         for layer in self.layers:
             weights = layer.fused_weights(x, meta)
             if weights is None:
                 return None
-            layers.append(weights)
-        return layers
+            checked.append((*weights, layer.mlp))
+        return checked
+
+    def _placement(self):
+        """The EPLB placement the MoE layers route with (replanning replaces it), or None."""
+        eplb = getattr(self.layers[0].mlp, "eplb", None)
+        return None if eplb is None else eplb.placement
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
@@ -231,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
             if not self.skip_weight(name):
                 loader.load(self.hf_to_param(name), tensor, name)
         loader.finish()
+        self.weights_changed()
 
     def skip_weight(self, name: str) -> bool:
         # Old checkpoints carry rotary tables; tied heads may be saved twice.
