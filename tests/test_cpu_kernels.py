@@ -11,8 +11,8 @@ from deepinfer.layers.rotary import RotaryEmbedding
 
 # Every kernel ISA this CPU runs, each with and without the batch-invariant reduction order.
 MODES = [(isa, inv) for isa in GEMM_ISAS for inv in (False, True)]
-# The kernel that reads weights packed in bf16 pairs, where this CPU has one.
-PACKED = [cpu_ops.PACKED_ISA] if cpu_ops.PACKED_ISA else []
+# The kernels that read weights packed in bf16 pairs: the AVX2 tiles (every CPU here), and the engine's choice.
+PACKED = [isa for isa in GEMM_ISAS if isa in ("avx2", cpu_ops.PACKED_ISA)]
 
 
 def kernel_input(x: torch.Tensor, isa: str) -> torch.Tensor:
@@ -113,9 +113,9 @@ def panel_order(request):
 @pytest.mark.parametrize("k, n", [(64, 96), (38, 272), (1024, 1104)])
 def test_packed_linear_matches_reference_alone_in_a_batch_and_on_any_thread_count(m, k, n, isa, panel_order,
                                                                                   monkeypatch):
-    """Packed weights: the fp32 reference on bf16-rounded x; each row's bits are the same alone as in the batch
-    (every tile sums its lanes in k order), on 1 or 2 threads (n 1104 splits over the pool), and whichever
-    order the panels are read in."""
+    """Packed weights: the fp32 reference on what the kernel multiplies (x, or x rounded to bf16); each row's bits
+    are the same alone as in the batch (every tile sums its lanes in k order), on 1 or 2 threads (n 1104 splits
+    over the pool), and whichever order the panels are read in."""
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
@@ -137,7 +137,7 @@ def test_packed_linear_matches_reference_alone_in_a_batch_and_on_any_thread_coun
 def test_packed_weights_are_refused_by_kernels_that_read_rows():
     w = torch.zeros(32, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="cannot read packed weights"):
-        linear_bf16(torch.zeros(2, 8), w, isa=cpu_ops.EXACT_ISA, packed=True)
+        linear_bf16(torch.zeros(2, 8), w, isa="avx2-panels", packed=True)
 
 
 def test_expert_activation_at_extreme_gates_and_nan():

@@ -42,12 +42,15 @@ bool stream_prefetch() {
 
 // On 4 KiB pages the hardware prefetchers stop at every page, and 8 panels read in parallel (software-prefetched)
 // were 1.05-1.1x faster than one (Zen 4, one row); on 2 MiB pages one sequential stream is the faster (gemm_kernel.h).
+// Not on the AVX2-only EPYCs (Zen 3), as for stream_prefetch: there the parallel, software-prefetched panels were
+// faster on 2 MiB pages too (medium Qwen3-MoE, batch 1, one thread: 18.7 against 21.4 ms per decode step, blocks
+// of steps alternated in one process).
 // Atomic: set_single_panel_stream may run while another thread's GEMM reads it (either order gives the same bits).
 std::atomic<bool>& single_panel_flag() {
   static std::atomic<bool> on([] {
     std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
     const std::string modes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    return !modes.empty() && modes.find("[never]") == std::string::npos;
+    return cpu_features().avx512f && !modes.empty() && modes.find("[never]") == std::string::npos;
   }());
   return on;
 }
@@ -100,6 +103,7 @@ void gemm_columns(GemmMode mode, Isa isa, const float* x, const uint16_t* x_bf16
   if (isa == Isa::AVX512_BF16)
     return gemm_columns_avx512bf16(x_bf16, w, out, M, K, N, n0, n1, mode.invariant, mode.packed);
   if (isa == Isa::AVX512) return gemm_columns_avx512(x, xt, wide, w, out, M, K, N, n0, n1, mode.invariant);
+  if (mode.packed) return kernel::pair_columns<Avx2Pairs>(x, w, out, M, K, N, n0, n1);
   kernel::gemm_columns<Avx2>(x, xt, wide, w, out, M, K, N, n0, n1, mode.invariant);
 }
 
@@ -143,7 +147,7 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
   const float* xp = x_bf16 ? xf.data() : static_cast<const float*>(x);
   // Whole 16-row groups, and a last partial one of at least WIDE_MIN_ROWS rows (its zero padding
   // costs less than the tiles), go the wide path; a shorter remainder goes through the tiles.
-  int64_t wide = N < WIDE_MIN_COLS || mode.invariant || !mode.panels || pairs ? 0
+  int64_t wide = N < WIDE_MIN_COLS || mode.invariant || !mode.panels || mode.packed || pairs ? 0
                  : M % GEMM_GROUP >= WIDE_MIN_ROWS          ? M
                                                             : M / GEMM_GROUP * GEMM_GROUP;
   std::vector<float> xt = transpose_x(xp, wide, K);

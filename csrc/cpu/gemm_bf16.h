@@ -23,7 +23,7 @@ struct GemmMode {
   Isa isa = Isa::AVX2;
   bool invariant = false;
   bool panels = false;
-  bool packed = false;  // w in bf16 pairs (pack_bf16_pairs); AVX512_BF16 only
+  bool packed = false;  // w in bf16 pairs (pack_bf16_pairs); AVX512_BF16, or AVX2 without panels
 };
 
 // A kernel's id as the plan names it (cpu_features()["gemm_isas"]): its Isa, plus KERNEL_PANELS for
@@ -45,9 +45,9 @@ bool set_single_panel_stream(bool on);
 constexpr int64_t GEMM_GROUP = 16;  // rows of x per outer-product group (the wide path)
 // AMX tiles (gemm_amx.cpp): 16 rows, of 32 bf16 (64 bytes) each.
 constexpr int64_t AMX_TILE_ROWS = 16, AMX_TILE_K = 32;
-// Packed weights (pair_tile in gemm_kernel.h): output columns per panel (one AVX-512 vector of fp32 sums), and
-// the rows of x one pass over the panels serves (8 rows x 3 panels: 24 accumulators).
-constexpr int64_t PAIR_BLOCK = 16, PAIR_ROWS = 8;
+// Packed weights (pair_tile in gemm_kernel.h): output columns per panel (one AVX-512 vector of fp32 sums, two
+// AVX2 vectors).
+constexpr int64_t PAIR_BLOCK = 16;
 
 // w [N, K] bf16 <-> wp [N/PAIR_BLOCK][K/2][PAIR_BLOCK][2] (N a multiple of PAIR_BLOCK, K even): the layout
 // GemmMode::packed reads. unpack: wp -> w.

@@ -196,11 +196,14 @@ constexpr int64_t PAIR_PREFETCH_PANELS = 6;
 // the dot-product tiles' time), and R rows of x share every weight vector: with 8 rows in one pass the
 // experts of the medium Qwen3-MoE ran 1.3x faster than the dot-product tiles from memory, 1.4x in cache
 // (Zen 4, one thread). Each lane sums its column's pairs in k order, whatever R and C: batch-invariant.
+// A panel's PAIR_BLOCK sums take V::PANEL_VECS vectors.
 template <class V, int R, int C>
-void pair_tile(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t b0, int64_t K, int64_t N) {
-  typename V::reg acc[R][C];
+void pair_tile(const typename V::xtype* x, const uint16_t* w, float* out, int64_t m0, int64_t b0, int64_t K,
+               int64_t N) {
+  constexpr int P = V::PANEL_VECS, WIDTH = PAIR_BLOCK / P;
+  typename V::reg acc[R][C * P];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
+    for (int c = 0; c < C * P; ++c) acc[r][c] = V::zero();
   const int64_t panel = PAIR_BLOCK * K;  // elements per block
   const uint16_t* p = w + b0 * panel;
   // The panels of the tile PAIR_PREFETCH_PANELS or more panels on, fetched into L2 while the first row block
@@ -216,16 +219,18 @@ void pair_tile(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int
     for (int c = 0; c < C; ++c) wv[c] = V::load_bf16(p + c * panel + kp * 2 * PAIR_BLOCK);
     for (int r = 0; r < R; ++r) {
       typename V::xreg xv = V::broadcast_pair(x + (m0 + r) * K + 2 * kp);
-      for (int c = 0; c < C; ++c) acc[r][c] = V::fma(xv, wv[c], acc[r][c]);
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < P; ++v) acc[r][c * P + v] = V::fma_pair(xv, wv[c], v, acc[r][c * P + v]);
     }
   }
+  // Unrolled, so every access to acc has constant indices and the compiler keeps it in registers (with this loop
+  // rolled, AVX2's 8 accumulators were stored and reloaded at every pair of k).
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) V::store(out + (m0 + r) * N + (b0 + c) * PAIR_BLOCK, acc[r][c]);
+#pragma GCC unroll 16
+    for (int c = 0; c < C * P; ++c) V::store(out + (m0 + r) * N + b0 * PAIR_BLOCK + c * WIDTH, acc[r][c]);
 }
 
-// Column blocks per tile: as many as the registers hold beside R rows' accumulators (32 zmm: R * C + C + 1),
-// at most 8 panel streams (one row, K 512-1024, from memory: 8 panels read 1.1-1.4x faster than 1 or 2).
-constexpr int pair_cols(int R) { return R <= 2 ? 8 : R <= 4 ? 6 : R <= 6 ? 4 : 3; }
 // On 2 MiB pages (single_panel_stream) up to 4 rows read one panel after another instead: one sequential stream,
 // no software prefetch, read 1.05-1.15x faster at 1-2 rows than 8 panels in parallel, and 1.0-1.25x at 3-4
 // (Zen 4, one thread, K 1024 and 512, cold). From 6 rows the products are the bound, and one panel at a time
@@ -236,42 +241,37 @@ constexpr int SINGLE_PANEL_MAX_ROWS = 4;
 // thread's short share (9 or 12 blocks of 1024 or 1536 outputs on two threads) keeps several panel streams
 // in flight instead of reading its last blocks one panel at a time.
 template <class V, int R, int C>
-void pair_blocks(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t K, int64_t N, int64_t b0,
+void pair_blocks(const typename V::xtype* x, const uint16_t* w, float* out, int64_t m0, int64_t K, int64_t N, int64_t b0,
                  int64_t b1) {
   int64_t b = b0;
   for (; b + C <= b1; b += C) pair_tile<V, R, C>(x, w, out, m0, b, K, N);
   if constexpr (C > 1) pair_blocks<V, R, C / 2>(x, w, out, m0, K, N, b, b1);
 }
 
-// pair_blocks for a run-time row count (1..PAIR_ROWS); C 0: as many blocks as the registers hold.
-template <class V, int C>
-void pair_rows(int64_t rows, const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t K, int64_t N,
-               int64_t b0, int64_t b1) {
-  if (C == 0 && rows <= SINGLE_PANEL_MAX_ROWS && single_panel_stream())
-    return pair_rows<V, 1>(rows, x, w, out, m0, K, N, b0, b1);
-  switch (rows) {
-    case 1: return pair_blocks<V, 1, C ? C : pair_cols(1)>(x, w, out, m0, K, N, b0, b1);
-    case 2: return pair_blocks<V, 2, C ? C : pair_cols(2)>(x, w, out, m0, K, N, b0, b1);
-    case 3: return pair_blocks<V, 3, C ? C : pair_cols(3)>(x, w, out, m0, K, N, b0, b1);
-    case 4: return pair_blocks<V, 4, C ? C : pair_cols(4)>(x, w, out, m0, K, N, b0, b1);
-    case 5: return pair_blocks<V, 5, C ? C : pair_cols(5)>(x, w, out, m0, K, N, b0, b1);
-    case 6: return pair_blocks<V, 6, C ? C : pair_cols(6)>(x, w, out, m0, K, N, b0, b1);
-    case 7: return pair_blocks<V, 7, C ? C : pair_cols(7)>(x, w, out, m0, K, N, b0, b1);
-    default: return pair_blocks<V, PAIR_ROWS, C ? C : pair_cols(PAIR_ROWS)>(x, w, out, m0, K, N, b0, b1);
-  }
+// pair_blocks for R = rows (R..V::PAIR_ROWS); C 0: as many blocks as the registers hold (V::pair_cols).
+template <class V, int C, int R = 1>
+void pair_rows(int64_t rows, const typename V::xtype* x, const uint16_t* w, float* out, int64_t m0, int64_t K,
+               int64_t N, int64_t b0, int64_t b1) {
+  if constexpr (R == 1)
+    if (C == 0 && rows <= SINGLE_PANEL_MAX_ROWS && single_panel_stream())
+      return pair_rows<V, 1>(rows, x, w, out, m0, K, N, b0, b1);
+  if constexpr (R < V::PAIR_ROWS)
+    if (rows > R) return pair_rows<V, C, R + 1>(rows, x, w, out, m0, K, N, b0, b1);
+  pair_blocks<V, R, C ? C : V::pair_cols(R)>(x, w, out, m0, K, N, b0, b1);
 }
 
-// Output columns [n0, n1) (whole blocks) of packed weights. Up to PAIR_ROWS rows pass once over the
+// Output columns [n0, n1) (whole blocks) of packed weights. Up to V::PAIR_ROWS rows pass once over the
 // weights; more rows take a group of blocks at a time, which stays in L2 while every row block passes.
 template <class V>
-void pair_columns(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
-                  int64_t n1) {
+void pair_columns(const typename V::xtype* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
+                  int64_t n0, int64_t n1) {
+  constexpr int64_t ROWS = V::PAIR_ROWS;
   const int64_t b0 = n0 / PAIR_BLOCK, b1 = n1 / PAIR_BLOCK;
-  if (M <= PAIR_ROWS) return pair_rows<V, 0>(M, x, w, out, 0, K, N, b0, b1);
-  constexpr int G = pair_cols(PAIR_ROWS);
+  if (M <= ROWS) return pair_rows<V, 0>(M, x, w, out, 0, K, N, b0, b1);
+  constexpr int G = V::pair_cols(ROWS);
   for (int64_t b = b0; b < b1; b += G)
-    for (int64_t m = 0; m < M; m += PAIR_ROWS)
-      pair_rows<V, G>(std::min<int64_t>(PAIR_ROWS, M - m), x, w, out, m, K, N, b, std::min<int64_t>(b + G, b1));
+    for (int64_t m = 0; m < M; m += ROWS)
+      pair_rows<V, G>(std::min(ROWS, M - m), x, w, out, m, K, N, b, std::min<int64_t>(b + G, b1));
 }
 
 // Output columns [n0, n1): the first `wide` rows (whole groups, transposed in xt) by outer products,

@@ -34,15 +34,15 @@ std::vector<std::pair<const char*, int>> gemm_kernels() {
 }
 
 // A kernel the CPU lacks would fault on its first instruction: refuse it as a Python error. packed: the
-// weights are in bf16 pairs, which only the AVX512-BF16 kernel reads.
+// weights are in bf16 pairs, which only the AVX512-BF16 kernel and the AVX2 tiles read.
 GemmMode gemm_mode(int id, bool invariant, bool packed = false) {
   for (auto [name, known] : gemm_kernels()) {
     if (known != id) continue;
     GemmMode mode = kernel_mode(id, invariant, packed);
     if (!isa_supported(mode.isa))
       throw py::value_error(std::string("GEMM kernel ") + name + " is not supported by this CPU");
-    if (packed && mode.isa != Isa::AVX512_BF16)
-      throw py::value_error(std::string("GEMM kernel ") + name + " cannot read packed weights (avx512bf16 only)");
+    if (packed && mode.isa != Isa::AVX512_BF16 && !(mode.isa == Isa::AVX2 && !mode.panels))
+      throw py::value_error(std::string("GEMM kernel ") + name + " cannot read packed weights (avx512bf16 or avx2)");
     return mode;
   }
   throw py::value_error("unknown GEMM kernel id " + std::to_string(id));

@@ -41,4 +41,36 @@ struct Avx2 {
   static __m256 fold8(reg v) { return v; }  // lanes added down to 8, in a fixed order
 };
 
+// Packed weights (pair_tile in gemm_kernel.h) on AVX2, which has no bf16 products: a panel row is 16 columns x
+// a pair of k (64 bytes); each half widens into its even-k and odd-k fp32 vectors (a shift and a mask, no
+// shuffle), and every row of x adds in x[k] and x[k+1] as fp32 broadcasts. x stays fp32, so every product is
+// exact, and each column sums its k in order whatever the rows: batch-invariant as the tiles are.
+struct Avx2Pairs : Avx2 {
+  struct wreg {
+    __m256 even[2], odd[2];  // columns 0-7 and 8-15
+  };
+  struct xreg {
+    __m256 even, odd;
+  };
+  static constexpr int PANEL_VECS = 2;
+  // Rows of x per pass over the panels: at 4 rows x 1 panel the 8 accumulators, 4 weight and 2 input vectors fill
+  // 14 of the 16 registers.
+  static constexpr int PAIR_ROWS = 4;
+  static constexpr int pair_cols(int rows) { return rows <= 1 ? 2 : 1; }
+
+  static wreg load_bf16(const uint16_t* p) {
+    const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    return {{_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))},
+            {_mm256_castsi256_ps(_mm256_and_si256(lo, mask)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))}};
+  }
+  static xreg broadcast_pair(const float* p) { return {_mm256_broadcast_ss(p), _mm256_broadcast_ss(p + 1)}; }
+  // Vector v of the panel: a pair's two products summed first and then added (as vdpbf16ps does), so the chain
+  // through acc is one add per pair of k, not two FMAs, and the add runs beside the FMA pipes.
+  static reg fma_pair(xreg x, const wreg& w, int v, reg acc) {
+    return _mm256_add_ps(acc, _mm256_fmadd_ps(x.odd, w.odd[v], _mm256_mul_ps(x.even, w.even[v])));
+  }
+};
+
 }  // namespace deepinfer

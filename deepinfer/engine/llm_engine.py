@@ -89,7 +89,7 @@ class LLMEngine:
             prepare_model(self.model, spec_cfg)
         logger.info("weights on huge pages: %.0f MiB", memory.to_huge_pages(self.model) / 2**20)
         gemm_plan.PLAN.invariant = config.batch_invariant
-        # The packed kernel rounds activations to bf16; batch_invariant keeps the exact fp32-input kernel.
+        # AVX512-BF16's packed kernel rounds activations to bf16; batch_invariant keeps the exact fp32-input kernel.
         if cpu_ops.PACKED_ISA and config.dtype == torch.bfloat16 and not config.batch_invariant:
             logger.info("weights packed in bf16 pairs (%s): %d expert groups, %d linears", cpu_ops.PACKED_ISA,
                         pack_experts(self.model), pack_linears(self.model))

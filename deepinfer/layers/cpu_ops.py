@@ -15,9 +15,11 @@ GEMM_ISAS = dict(reversed(_C.cpu_features()["gemm_isas"]))
 BF16_INPUT_ISAS = {"avx512bf16", "amx"}
 # The default ISA: the fastest that keeps fp32 activations exact.
 EXACT_ISA = next(isa for isa in GEMM_ISAS if isa not in BF16_INPUT_ISAS)
-# The ISA that reads weights packed in bf16 pairs (pack_bf16_pairs), where packing pays: on CPUs with
-# AVX512-BF16 and no AMX tiles (AMX's kernel reads row-major weights; packed ones are unmeasured there).
-PACKED_ISA = "avx512bf16" if "avx512bf16" in GEMM_ISAS and "amx" not in GEMM_ISAS else None
+# The ISA that reads weights packed in bf16 pairs (pack_bf16_pairs), where packing pays: AVX512-BF16 without AMX
+# tiles (AMX's kernel reads row-major weights; packed ones are unmeasured there), and AVX2-only CPUs, whose packed
+# tiles widen each pair to fp32 (activations stay fp32). AVX-512 without BF16: unmeasured, so row-major.
+PACKED_ISA = ("avx512bf16" if "amx" not in GEMM_ISAS else None) if "avx512bf16" in GEMM_ISAS \
+    else "avx2" if EXACT_ISA == "avx2" else None
 PAIR_BLOCK = _C.PAIR_BLOCK  # output rows per packed panel
 
 
@@ -76,12 +78,12 @@ def pack_bf16_pairs(w: torch.Tensor, unpack: bool = False) -> torch.Tensor:
 
 
 def packed_read_order() -> str | None:
-    """How the packed kernel reads weights for few rows of x (csrc/cpu/gemm_kernel.h, pair_cols), for logs and
+    """How the packed kernel reads weights for few rows of x (csrc/cpu/gemm_kernel.h, pair_rows), for logs and
     reports; None where this CPU has no packed kernel."""
     if PACKED_ISA is None:
         return None
     order = "one panel at a time (2 MiB pages)" if _C.single_panel_stream() \
-        else "8 panels in parallel, software-prefetched (4 KiB pages)"
+        else "panels in parallel, software-prefetched (4 KiB pages, or a CPU without AVX-512)"
     return f"packed weights ({PACKED_ISA}), up to 4 rows: {order}"
 
 
