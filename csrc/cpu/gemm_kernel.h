@@ -241,8 +241,8 @@ constexpr int SINGLE_PANEL_MAX_ROWS = 4;
 // thread's short share (9 or 12 blocks of 1024 or 1536 outputs on two threads) keeps several panel streams
 // in flight instead of reading its last blocks one panel at a time.
 template <class V, int R, int C>
-void pair_blocks(const typename V::xtype* x, const uint16_t* w, float* out, int64_t m0, int64_t K, int64_t N, int64_t b0,
-                 int64_t b1) {
+void pair_blocks(const typename V::xtype* x, const uint16_t* w, float* out, int64_t m0, int64_t K, int64_t N,
+                 int64_t b0, int64_t b1) {
   int64_t b = b0;
   for (; b + C <= b1; b += C) pair_tile<V, R, C>(x, w, out, m0, b, K, N);
   if constexpr (C > 1) pair_blocks<V, R, C / 2>(x, w, out, m0, K, N, b, b1);
