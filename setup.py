@@ -10,7 +10,7 @@ DEBUG = os.environ.get("DEEPINFER_DEBUG", "0") == "1"
 macros = [] if DEBUG else [("NDEBUG", "1")]
 # No implicit FMA contraction: a*b + c stays two roundings, as torch's separate mul and add ops compute it
 # (the kernels' own FMAs are explicit intrinsics).
-flags = (["-O0", "-g"] if DEBUG else ["-O3", "-march=native"]) + ["-ffp-contract=off"]
+flags = (["-O0", "-g"] if DEBUG else ["-O3"]) + ["-march=native", "-ffp-contract=off"]
 
 ext = Pybind11Extension(
     "deepinfer._C",

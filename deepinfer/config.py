@@ -40,6 +40,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     prefix_cache: str | dict | None = None  # engine/prefix_cache.py
     state_transfer: str = "auto"  # engine/kv_transfer.py: how a handoff's StateBlock travels
+    async_scheduling: bool = False  # engine/llm_engine.py: schedule decode step N+1 while step N runs
 
     @staticmethod
     def default_num_threads() -> int:
@@ -69,7 +70,9 @@ class EngineConfig:
             raise ValueError(f"LLM(state_transfer={self.state_transfer!r}) must be one of {STATE_TRANSFER_MODES}")
         if self.engine_type not in ("normal", "prompt", "completion"):
             raise ValueError(f"LLM(engine_type={self.engine_type!r}) must be normal, prompt or completion")
-
+        if self.async_scheduling and self.speculative:
+            # A speculative step's drafts come from the previous step's output, which an ahead step cannot wait for.
+            raise ValueError("LLM(async_scheduling=True) does not support speculative=...; use one of them")
 
     def fill_defaults(self, hf_config, block_size_multiple: int = 1) -> None:
         """Unset lengths come from the model config; an unset block size is 16 or the smallest the

@@ -202,3 +202,152 @@ def test_forced_step_types_for_the_dp_vote():
     assert forced.type == _C.StepType.DECODE and list(forced.seq_ids) == [0] and sched.num_waiting == 1
     sched.process(forced, [9])
     assert sched.schedule().type == _C.StepType.PREFILL
+
+
+# ---- async scheduling: schedule(N+1) while step N runs ------------------------------------------------------
+
+def _token(seq_id, index):
+    """The token a deterministic 'model' draws as output token `index` of a sequence: the same whatever the
+    batch, the step or a preemption, so sync and async runs must produce the same outputs."""
+    return EOS if (seq_id * 7 + index * 3) % 11 == 0 else 9
+
+
+def _drawn(batch):
+    return [_token(s, ctx) for s, drawn, ctx in zip(batch.seq_ids, batch.sampled, batch.context_lens) if drawn]
+
+
+def _record(outs, outputs, reasons):
+    for out in outs:
+        if out.seq_id in reasons:  # ended from outside while its step ran: the row must be void
+            assert out.finished and not out.tokens
+            continue
+        outputs.setdefault(out.seq_id, []).extend(out.tokens)
+        if out.finished:
+            assert out.seq_id not in reasons, "a sequence finished twice"
+            reasons[out.seq_id] = out.reason
+
+
+def _run_sync(sched):
+    outputs, reasons = {}, {}
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch.type != _C.StepType.IDLE, "unfinished sequences but no step"
+        _record(sched.process(batch, _drawn(batch)), outputs, reasons)
+        sched.check_invariants()
+    return outputs, reasons
+
+
+def _run_async(sched, abort_every=0):
+    """The engine's async loop: schedule_ahead while the decode step in flight 'runs', process it, complete the
+    ahead step and put it in flight. abort_every > 0 aborts a running sequence every that many steps, while a
+    step that writes its KV is in flight (its blocks must wait for that step). Returns (outputs, reasons, the
+    number of ahead steps run, aborted ids)."""
+    outputs, reasons, aborted, flight, ahead_steps, step = {}, {}, set(), None, 0, 0
+    while sched.has_unfinished() or flight is not None:
+        step += 1
+        assert step < 5000
+        if flight is None:
+            flight = sched.schedule()
+            assert flight.type != _C.StepType.IDLE, "unfinished sequences but no step: a deferred free starved it"
+            if flight.type == _C.StepType.PREFILL:
+                _record(sched.process(flight, _drawn(flight)), outputs, reasons)
+                flight = None
+                continue
+        ahead = sched.schedule_ahead(flight)
+        assert all(t == -1 for t in ahead.input_ids), "an ahead step's tokens are unknown until complete_ahead"
+        _record(sched.process(flight, _drawn(flight)), outputs, reasons)
+        flight = None
+        if ahead.type == _C.StepType.DECODE:
+            sched.complete_ahead(ahead)
+        if ahead.type == _C.StepType.DECODE:
+            for s, token in zip(ahead.seq_ids, ahead.input_ids):
+                assert token == outputs[s][-1], "an ahead row is fed the token its sequence just drew"
+            flight, ahead_steps = ahead, ahead_steps + 1
+        if abort_every and step % abort_every == 0 and sched.running_ids():
+            victim = sched.running_ids()[step % len(sched.running_ids())]
+            sched.finish(victim, _C.FinishReason.ABORT)
+            aborted.add(victim)
+            reasons[victim] = _C.FinishReason.ABORT
+        sched.check_invariants()
+    return outputs, reasons, ahead_steps, aborted
+
+
+trace = dict(prompts=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 16)), min_size=1, max_size=8),
+             num_blocks=st.integers(12, 40), block_size=st.sampled_from([2, 4]), max_num_seqs=st.integers(1, 5))
+
+
+def _add_all(sched, prompts):
+    for sid, (n, max_tokens) in enumerate(prompts):
+        sched.add_sequence(sid, [7] * n, _C.SamplingLimits(max_tokens))
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(**trace)
+def test_async_scheduling_draws_the_tokens_sync_scheduling_draws(prompts, num_blocks, block_size, max_num_seqs):
+    """Tiny pools included (preemption, ahead steps that give up for lack of blocks)."""
+    runs = []
+    for run in (_run_sync, _run_async):
+        sched = make_scheduler(num_blocks, block_size, max_num_seqs, max_model_len=24)
+        _add_all(sched, prompts)
+        runs.append(run(sched)[:2])
+        assert sched.block_manager.num_free_blocks == num_blocks and sched.num_free_state_slots == max_num_seqs
+    assert runs[0] == runs[1]
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(**trace, abort_every=st.integers(1, 4))
+def test_async_aborts_in_flight_defer_frees_without_starving(prompts, num_blocks, block_size, max_num_seqs,
+                                                             abort_every):
+    sched = make_scheduler(num_blocks, block_size, max_num_seqs, max_model_len=24)
+    _add_all(sched, prompts)
+    outputs, reasons, _, aborted = _run_async(sched, abort_every)
+    assert sorted(reasons) == list(range(len(prompts)))
+    assert {s for s, r in reasons.items() if r == _C.FinishReason.ABORT} == aborted
+    assert sched.block_manager.num_free_blocks == num_blocks and sched.num_free_state_slots == max_num_seqs
+    sched.check_invariants()
+
+
+def test_ahead_step_feeds_drawn_tokens_and_drops_sequences_that_ended():
+    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=4)
+    for sid, max_tokens in enumerate([10, 10, 2]):
+        sched.add_sequence(sid, [3] * 5, _C.SamplingLimits(max_tokens))
+    sched.process(sched.schedule(), [9, 9, 9])
+    flight = sched.schedule()
+    ahead = sched.schedule_ahead(flight)
+    assert sorted(ahead.seq_ids) == [0, 1], "sequence 2 ends by length with the token in flight"
+    assert ahead.positions.tolist() == [6, 6] and ahead.context_lens.tolist() == [7, 7]
+    order = {s: i for i, s in enumerate(flight.seq_ids)}
+    tokens = [0] * 3
+    tokens[order[0]], tokens[order[1]], tokens[order[2]] = 9, EOS, 9
+    outs = {o.seq_id: o for o in sched.process(flight, tokens)}
+    assert outs[1].finished and outs[2].finished
+    free_before = sched.block_manager.num_free_blocks
+    sched.complete_ahead(ahead)
+    assert ahead.seq_ids == [0] and ahead.input_ids.tolist() == [9] and ahead.query_start_loc.tolist() == [0, 1]
+    assert sched.block_manager.num_free_blocks == free_before + 2, "the ended sequence's blocks return now"
+    sched.check_invariants()
+
+
+def test_finish_in_flight_frees_blocks_when_its_step_is_processed():
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=2)
+    sched.add_sequence(0, [3] * 6, _C.SamplingLimits(10))
+    sched.process(sched.schedule(), [9])
+    flight = sched.schedule()
+    held = len(sched.sequence(0).block_table)
+    sched.finish(0, _C.FinishReason.ABORT)
+    assert sched.block_manager.num_free_blocks == 12 - held and not sched.has_unfinished()
+    outs = sched.process(flight, [9])
+    assert outs[0].finished and not outs[0].tokens, "the aborted sequence's row is void"
+    assert sched.block_manager.num_free_blocks == 12
+    sched.check_invariants()
+
+
+def test_no_ahead_step_while_a_prompt_waits_for_prefill():
+    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=4)
+    sched.add_sequence(0, [3] * 5, _C.SamplingLimits(10))
+    sched.process(sched.schedule(), [9])
+    flight = sched.schedule()
+    sched.add_sequence(1, [3] * 5, _C.SamplingLimits(10))
+    assert sched.schedule_ahead(flight).type == _C.StepType.IDLE
+    sched.process(flight, [9])
+    assert sched.schedule().type == _C.StepType.PREFILL

@@ -146,6 +146,9 @@ PYBIND11_MODULE(_C, m) {
       .def("schedule", &Scheduler::schedule, py::arg("want") = StepType::IDLE,
            py::call_guard<py::gil_scoped_release>())
       .def("can_prefill", &Scheduler::can_prefill)
+      .def("schedule_ahead", &Scheduler::schedule_ahead, py::arg("flight"), py::call_guard<py::gil_scoped_release>())
+      .def("complete_ahead", &Scheduler::complete_ahead, py::arg("ahead"), py::call_guard<py::gil_scoped_release>())
+      .def("discard", &Scheduler::discard, py::arg("batch"))
       .def("process", &Scheduler::process, py::call_guard<py::gil_scoped_release>())
       .def("process_multi", &Scheduler::process_multi, py::call_guard<py::gil_scoped_release>())
       .def("set_drafts", &Scheduler::set_drafts, py::arg("seq_id"), py::arg("drafts"))

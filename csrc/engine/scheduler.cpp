@@ -201,6 +201,64 @@ bool Scheduler::schedule_decode(ScheduledBatch& batch) {
   return true;
 }
 
+ScheduledBatch Scheduler::schedule_ahead(const ScheduledBatch& flight) {
+  ScheduledBatch batch;
+  const bool drafts = std::any_of(flight.draft_lens.begin(), flight.draft_lens.end(), [](int32_t d) { return d > 0; });
+  if (flight.type != StepType::DECODE || drafts || config_.engine_type == EngineType::PROMPT || can_prefill())
+    return batch;
+  std::vector<Sequence*> picked;
+  for (Sequence* seq : running_) {
+    if (seq->schedule_cnt != seq->process_cnt + 1 || !seq->draft_tokens.empty()) return batch;
+    const int with_token = seq->num_tokens() + 1;
+    if (seq->num_output_tokens() + 1 >= seq->limits.max_tokens || with_token >= config_.max_model_len) continue;
+    // Blocks grown here are the ones the next schedule() would grow: nothing is lost if this gives up.
+    if (!blocks_.append(seq->block_table, with_token)) return batch;
+    picked.push_back(seq);
+  }
+  if (picked.empty()) return batch;
+  batch.type = StepType::DECODE;
+  prepare_inputs(batch, picked, std::vector<int>(picked.size(), 1), true);
+  return batch;
+}
+
+void Scheduler::complete_ahead(ScheduledBatch& ahead) {
+  ScheduledBatch kept;
+  kept.max_blocks = ahead.max_blocks;
+  kept.query_start_loc.push_back(0);
+  for (size_t i = 0; i < ahead.seq_ids.size(); ++i) {
+    Sequence* seq = lookup(ahead.seq_ids[i]);
+    if (seq->status == SequenceStatus::FINISHED) {
+      ++seq->process_cnt;
+      erase_if_done(seq);
+      continue;
+    }
+    DI_CHECK(seq->schedule_cnt == seq->process_cnt + 1 && ahead.positions[i] == seq->num_tokens() - 1,
+             "ahead row out of step with its sequence");
+    kept.seq_ids.push_back(seq->seq_id);
+    kept.input_ids.push_back(seq->token_ids.back());
+    kept.positions.push_back(ahead.positions[i]);
+    kept.slot_mapping.push_back(ahead.slot_mapping[i]);
+    kept.query_start_loc.push_back(static_cast<int32_t>(kept.input_ids.size()));
+    kept.context_lens.push_back(ahead.context_lens[i]);
+    kept.state_slots.push_back(ahead.state_slots[i]);
+    kept.draft_lens.push_back(0);
+    kept.sampled.push_back(1);
+    auto row = ahead.block_tables.begin() + i * ahead.max_blocks;
+    kept.block_tables.insert(kept.block_tables.end(), row, row + ahead.max_blocks);
+  }
+  kept.type = kept.seq_ids.empty() ? StepType::IDLE : StepType::DECODE;
+  ahead = std::move(kept);
+}
+
+void Scheduler::discard(const ScheduledBatch& batch) {
+  for (int64_t seq_id : batch.seq_ids) {
+    auto it = seqs_.find(seq_id);
+    if (it == seqs_.end()) continue;
+    ++it->second->process_cnt;
+    erase_if_done(it->second.get());
+  }
+}
+
 void Scheduler::preempt(Sequence* seq, ScheduledBatch& batch) {
   release_resources(seq);
   seq->draft_tokens.clear();
@@ -220,7 +278,7 @@ void Scheduler::release_resources(Sequence* seq) {
 }
 
 void Scheduler::prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs,
-                               const std::vector<int>& chunks) {
+                               const std::vector<int>& chunks, bool ahead) {
   const int bs = config_.block_size;
   batch.query_start_loc.push_back(0);
   for (Sequence* seq : seqs) {
@@ -229,15 +287,16 @@ void Scheduler::prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence
   batch.block_tables.assign(seqs.size() * batch.max_blocks, -1);
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence* seq = seqs[i];
-    DI_CHECK(seq->schedule_cnt == seq->process_cnt, "sequence scheduled twice before processing");
+    // ahead: one token sampled in flight, not yet appended
+    DI_CHECK(seq->schedule_cnt == seq->process_cnt + ahead, "sequence scheduled twice before processing");
     const int end = seq->num_computed_tokens + chunks[i];
-    DI_CHECK(chunks[i] > 0 && end <= seq->num_tokens(), "chunk outside the sequence");
+    DI_CHECK(chunks[i] > 0 && end <= seq->num_tokens() + ahead, "chunk outside the sequence");
     for (int pos = seq->num_computed_tokens; pos < end; ++pos) {
-      batch.input_ids.push_back(seq->token_ids[pos]);
+      batch.input_ids.push_back(pos < seq->num_tokens() ? seq->token_ids[pos] : -1);
       batch.positions.push_back(pos);
       batch.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[pos / bs]) * bs + pos % bs);
     }
-    const bool sampled = end == seq->num_tokens();
+    const bool sampled = end >= seq->num_tokens();
     if (!sampled) seq->draft_tokens.clear();  // drafts follow the last token only
     for (size_t j = 0; j < seq->draft_tokens.size(); ++j) {
       int pos = seq->num_tokens() + static_cast<int>(j);
@@ -307,7 +366,15 @@ std::vector<StepOutput> Scheduler::process_multi(const ScheduledBatch& batch,
     Sequence* seq = lookup(batch.seq_ids[i]);
     const int drafts = batch.draft_lens.empty() ? 0 : batch.draft_lens[i];
     ++seq->process_cnt;
+    const bool ahead = seq->schedule_cnt > seq->process_cnt;  // its next step is scheduled already
     StepOutput res{seq->seq_id, {}, false, FinishReason::NONE, -1};
+    if (seq->status == SequenceStatus::FINISHED) {  // ended while this step ran: the row is void
+      res.finished = true;
+      res.reason = seq->finish_reason;
+      out.push_back(res);
+      erase_if_done(seq);
+      continue;
+    }
     if (!batch.sampled[i]) {  // a prefill chunk short of the last token: nothing drawn, nothing to apply
       DI_REQUIRE(tokens[i].empty(), "sequence " + std::to_string(seq->seq_id) + ": a token for an unsampled chunk");
       out.push_back(res);
@@ -323,7 +390,7 @@ std::vector<StepOutput> Scheduler::process_multi(const ScheduledBatch& batch,
       res.tokens.push_back(tokens[i][j]);
       res.finished = append_token(seq, tokens[i][j]);
     }
-    if (!res.finished) {
+    if (!res.finished && !ahead) {
       // KV exists for every token but the newest; rejected drafts' slots are simply overwritten later.
       seq->num_computed_tokens = seq->num_tokens() - 1;
       int keep = blocks_.blocks_for(seq->num_tokens());
@@ -370,8 +437,14 @@ void Scheduler::finish(int64_t seq_id, FinishReason reason) {
     seq->status = SequenceStatus::HANDED_OFF;
     return;
   }
+  seq->status = SequenceStatus::FINISHED;
+  erase_if_done(seq);
+}
+
+void Scheduler::erase_if_done(Sequence* seq) {
+  if (seq->status != SequenceStatus::FINISHED || seq->schedule_cnt != seq->process_cnt) return;
   release_resources(seq);
-  seqs_.erase(seq_id);
+  seqs_.erase(seq->seq_id);
 }
 
 void Scheduler::release(int64_t seq_id) {
@@ -395,6 +468,8 @@ void Scheduler::check_invariants() const {
     }
     if (s.status == SequenceStatus::WAITING && !s.block_table.empty())
       throw std::logic_error("waiting sequence holds blocks");
+    if (s.status == SequenceStatus::FINISHED && s.schedule_cnt == s.process_cnt)
+      throw std::logic_error("finished sequence outlives its last step");
   }
   for (int b = 0; b < blocks_.num_blocks(); ++b)
     if (owners[b] > blocks_.ref_count(b))

@@ -82,13 +82,25 @@ class Scheduler {
   // Applies one sampled token per sampled sequence, in batch order (-1 marks a failed row, finished with
   // ERROR). Returns one StepOutput per scheduled sequence (no tokens for an unsampled prefill chunk).
   std::vector<StepOutput> process(const ScheduledBatch& batch, const std::vector<int32_t>& tokens);
+  // Async scheduling, for the decode step `flight` whose forward runs now: a DECODE step for its sequences,
+  // each fed the token `flight` samples for it (input id -1 until complete_ahead). IDLE when the next step must
+  // wait for process(flight): something could prefill, a running sequence is not in flight, drafts ride along,
+  // or the pool is short (an ahead step never evicts). Sequences that `flight`'s token ends by length are left out.
+  ScheduledBatch schedule_ahead(const ScheduledBatch& flight);
+  // After process(flight): drops the rows of sequences that ended in it (their blocks return now) and feeds
+  // every other row the token just appended. The batch is IDLE when no row is left.
+  void complete_ahead(ScheduledBatch& ahead);
+  // A scheduled step that will never be processed (its forward failed): counts its rows as processed
+  // without tokens; the caller then ends its sequences.
+  void discard(const ScheduledBatch& batch);
   // Per scheduled sequence the accepted drafts plus one target token ({-1}: failed; {} when unsampled).
   // Rejected drafts are rolled back: their KV slots count as not computed and surplus blocks return.
   std::vector<StepOutput> process_multi(const ScheduledBatch& batch,
                                         const std::vector<std::vector<int32_t>>& tokens);
   // Drafts to verify in the next decode step for a running sequence (replaces earlier ones).
   void set_drafts(int64_t seq_id, const std::vector<int32_t>& drafts);
-  // Ends a sequence from outside (stop string, abort, error); frees its blocks and slot.
+  // Ends a sequence from outside (stop string, abort, error); frees its blocks and slot, or, while a step
+  // that writes its KV is in flight, when that step is processed (its row there is void).
   void finish(int64_t seq_id, FinishReason reason);
   // PROMPT: drops the scheduler's hold on a handed-off sequence once its KV has been exported.
   void release(int64_t seq_id);
@@ -113,8 +125,12 @@ class Scheduler {
   bool grow_for_chunk(Sequence* seq, int chunk, bool may_evict, ScheduledBatch& batch);
   void preempt(Sequence* seq, ScheduledBatch& batch);
   void release_resources(Sequence* seq);
-  // chunks[i]: tokens of seqs[i] this step, from its first uncomputed one.
-  void prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs, const std::vector<int>& chunks);
+  // Frees a FINISHED sequence once no scheduled step of it is left unprocessed.
+  void erase_if_done(Sequence* seq);
+  // chunks[i]: tokens of seqs[i] this step, from its first uncomputed one. ahead: each sequence has a step in
+  // flight whose sampled token (not yet appended) is the first of its chunk.
+  void prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs, const std::vector<int>& chunks,
+                      bool ahead = false);
   bool append_token(Sequence* seq, int32_t token);
   void remove_running(Sequence* seq);
   Sequence* lookup(int64_t seq_id) const;

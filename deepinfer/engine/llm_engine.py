@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -113,7 +114,13 @@ class LLMEngine:
         self.prefix_cache = PrefixCache.from_config(config, spec) if config.prefix_cache else None
         self._seq_counter = itertools.count()
         self._grammars: GrammarCompiler | None = None
-        self.num_steps = {"prefill": 0, "decode": 0}
+        self.num_steps = {"prefill": 0, "decode": 0, "ahead": 0}  # ahead: decode steps scheduled ahead
+        # Async scheduling: the worker thread runs the forward and sampling of the decode step in flight;
+        # _unprocessed holds the steps scheduled but not processed, which abort_all discards.
+        self._pool = ThreadPoolExecutor(1, "deepinfer-forward", platform.set_threads, (config.num_threads,)) \
+            if config.async_scheduling else None
+        self._flight: tuple | None = None  # (batch, future)
+        self._unprocessed: list = []
 
     def _make_eplb(self) -> EplbState | None:
         blocks = balanced_moe_blocks(self.model)
@@ -243,11 +250,13 @@ class LLMEngine:
                                  params.ignore_eos, params.stop_token_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._flight is not None
 
     def step(self, want=_C.StepType.IDLE) -> tuple[list[RequestOutput], int]:
         """Runs one step (of type `want` when a DP group voted one). Returns the requests that
         finished in it and the tokens it processed (0: nothing of that type could run)."""
+        if self._flight is not None:
+            return self._step_in_flight(want)
         if self.spec is not None:
             self.spec.prepare(self)
         batch = self.scheduler.schedule(want)
@@ -255,9 +264,14 @@ class LLMEngine:
             if want == _C.StepType.IDLE and self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler has unfinished sequences but could schedule none")
             return [], 0
-        for seq_id in batch.preempted:
-            self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
-        self.num_steps["prefill" if batch.type == _C.StepType.PREFILL else "decode"] += 1
+        if self._pool is not None and batch.type == _C.StepType.DECODE:
+            self._launch(batch)
+            return self._step_in_flight(want)
+        return self._run_step(batch)
+
+    def _run_step(self, batch) -> tuple[list[RequestOutput], int]:
+        """A step run here from start to end: the forward, sampling and output processing."""
+        self._count_step(batch)
         if batch.type == _C.StepType.PREFILL:
             self._write_cached_prefixes(batch)
         # An unsampled row is a prefill chunk short of its prompt's end: nothing is drawn for it.
@@ -279,11 +293,51 @@ class LLMEngine:
             self.spec.after_step(self, batch, results)
         if self.eplb is not None:
             self.eplb.end_step()
-        finished = set()
-        for first, res in zip(firsts, results):
-            if self._apply(first, res, out):
-                finished.add(self.seqs[res.seq_id].request_id)
-        return [self._finish_request(r) for r in finished if self._request_done(r)], batch.num_tokens
+        states = [self._take_tokens(res) for res in results]
+        return self._outputs(firsts, results, states, out), batch.num_tokens
+
+    def _count_step(self, batch) -> None:
+        for seq_id in batch.preempted:
+            self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
+        self.num_steps["prefill" if batch.type == _C.StepType.PREFILL else "decode"] += 1
+
+    # ---- async scheduling: decode step N+1 is scheduled while step N's forward runs on the worker thread, and
+    # launched as soon as N's tokens are appended; N's outputs are processed while N+1 runs. ---------------------
+
+    def _launch(self, batch) -> None:
+        """Starts a decode step's forward and sampling on the worker thread. Every row of a decode step is
+        sampled, and its sequences' token_ids and grammars stay unchanged until the step is processed."""
+        self._count_step(batch)
+        sampling = self._sampling_batch([self.seqs[s] for s in batch.seq_ids])
+        self._unprocessed.append(batch)
+        self._flight = (batch, self._pool.submit(self.runner.execute, batch, sampling))
+
+    def _step_in_flight(self, want) -> tuple[list[RequestOutput], int]:
+        """Finishes the step in flight; a DP group's forced step types run synchronously from the next step on."""
+        batch, future = self._flight
+        ahead = self.scheduler.schedule_ahead(batch) if want == _C.StepType.IDLE else None
+        if ahead is not None and ahead.type == _C.StepType.DECODE:
+            self._unprocessed.append(ahead)
+        out = future.result()
+        self._flight = None
+        self._unprocessed.remove(batch)
+        results = self.scheduler.process(batch, out.tokens.tolist())
+        if self.eplb is not None:  # before the next forward: a replan moves expert weights
+            self.eplb.end_step()
+        states = [self._take_tokens(res) for res in results]
+        if ahead is not None and ahead.type == _C.StepType.DECODE:
+            self.scheduler.complete_ahead(ahead)
+            self._unprocessed.remove(ahead)
+            if ahead.type == _C.StepType.DECODE:
+                self.num_steps["ahead"] += 1
+                self._launch(ahead)
+        return self._outputs(range(len(results)), results, states, out), batch.num_tokens
+
+    def _outputs(self, firsts, results, states, out) -> list[RequestOutput]:
+        """The requests that finished with this step's results (states: _take_tokens of each)."""
+        finished = {state.request_id for first, res, state in zip(firsts, results, states)
+                    if state is not None and self._apply(first, res, out, state)}
+        return [self._finish_request(r) for r in finished if self._request_done(r)]
 
     def _execute(self, batch, sampling: SamplingBatch):
         """The forward and sampling; a prefill's torch ops run on all threads (platform.set_threads)."""
@@ -319,20 +373,21 @@ class LLMEngine:
             return None
         return [None if s.logits_ctx is None else (s.logits_ctx, s.token_ids) for s in states]
 
-    def _apply(self, first: int, res, out) -> bool:
-        """Records one sequence's step result (its tokens' logprobs are rows first.. of out); returns
-        whether the sequence finished."""
-        state = self.seqs[res.seq_id]
-        metrics = self.requests[state.request_id].metrics
+    def _take_tokens(self, res) -> SeqState | None:
+        """Appends one sequence's step tokens, advances its grammar and looks for stop strings: what decides
+        the next step's rows and what its sampling reads. None for a void row (the sequence was aborted while
+        its step ran)."""
+        state = self.seqs.get(res.seq_id)
+        if state is None or state.finish_reason is not None:
+            return None
         if res.tokens:
             state.token_ids.extend(res.tokens)
+            metrics = self.requests[state.request_id].metrics
             metrics.num_generation_tokens += len(res.tokens)
             if metrics.first_token_time is None:
                 metrics.first_token_time = time.monotonic()
-            self._record_logprobs(state, first, res.tokens, out)
         if res.reason == _C.FinishReason.HANDOFF:
-            self._hand_off(res.seq_id, state)
-            return True
+            return state
         if res.finished:
             state.finish_reason = _REASONS[res.reason]
             state.stop_reason = res.stop_token if res.stop_token >= 0 else None
@@ -340,8 +395,19 @@ class LLMEngine:
                 state.error = "non-finite logits, or the request's logits processors masked every token"
         if state.grammar is not None and res.tokens:
             self._advance_grammar(res.seq_id, state, res.tokens, res.finished)
-        if state.params.stop_strings and self._hit_stop_string(state, res.finished) and not res.finished:
+        ended = state.finish_reason is not None
+        if state.params.stop_strings and self._hit_stop_string(state, res.finished) and not ended:
             self.scheduler.finish(res.seq_id, _C.FinishReason.STOP)
+        return state
+
+    def _apply(self, first: int, res, out, state: SeqState) -> bool:
+        """The rest of a sequence's step result (its tokens' logprobs are rows first.. of out): logprobs and a
+        handoff. Returns whether the sequence finished."""
+        if res.tokens:
+            self._record_logprobs(state, first, res.tokens, out)
+        if res.reason == _C.FinishReason.HANDOFF:
+            self._hand_off(res.seq_id, state)
+            return True
         return state.finish_reason is not None
 
     def _advance_grammar(self, seq_id: int, state: SeqState, tokens: list[int], finished: bool) -> None:
@@ -419,6 +485,12 @@ class LLMEngine:
 
     def abort_all(self) -> None:
         """Ends every unfinished sequence (after an exception) so the engine stays usable."""
+        if self._flight is not None:
+            wait([self._flight[1]])
+            self._flight = None
+        for batch in self._unprocessed:
+            self.scheduler.discard(batch)
+        self._unprocessed.clear()
         for seq_id in list(self.seqs):
             try:
                 self.scheduler.finish(seq_id, _C.FinishReason.ABORT)

@@ -1,0 +1,88 @@
+"""Async scheduling (LLM(async_scheduling=True)) against synchronous steps on the medium Qwen3-MoE (bf16, 64 prompt
++ 64 new tokens, greedy, ignore EOS): decode ms per step at batch 1, 16 and 64, both engines in one process and
+alternated round by round (the order flips each round), medians of the rounds. Beside each step time: the part of
+it outside the forward and sampling (runner.execute), which is all async scheduling can hide and, unlike the step
+time, barely moves with the weight stream's noise. Writes the table into docs/benchmarks.md.
+
+    python examples/bench_async_scheduling.py [--threads 1] [--rounds 3] [--batches 1 16 64]
+"""
+import argparse
+import statistics
+import time
+
+from deepinfer import LLM, SamplingParams, platform
+from deepinfer.docs import write_section
+from examples.bench_medium_moe import NEW, PROMPT, prompts
+from examples.make_medium_qwen3_moe import make
+
+MODES = ("sync", "async")
+
+
+def decode_ms(llm: LLM, batch: int) -> tuple[float, float]:
+    """(ms per decode step, ms of it outside runner.execute), over the decode steps after the first."""
+    engine, execute = llm.engine, llm.engine.runner.execute
+    spent = []
+
+    def timed(*args):
+        t = time.perf_counter()
+        try:
+            return execute(*args)
+        finally:
+            spent.append(time.perf_counter() - t)
+    engine.runner.execute = timed
+    for i, p in enumerate(prompts(batch, engine.vocab_size)):
+        engine.add_request(f"b{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    engine.step()  # the prefill, and in async mode the first decode step's launch
+    engine.step()
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    total = time.perf_counter() - start
+    del engine.runner.execute
+    # Each step() in the loop completes one forward (async: the first of them was launched just before `start`).
+    forward = sum(spent[-steps:])
+    return 1000 * total / steps, 1000 * (total - forward) / steps
+
+
+def measure(llms: dict, batches: list[int], rounds: int) -> dict:
+    """{(mode, batch): [(ms per step, ms outside the forward), one per round]}."""
+    ms = {(m, b): [] for m in MODES for b in batches}
+    for r in range(rounds):
+        for b in batches:
+            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                ms[mode, b].append(decode_ms(llms[mode], b))
+    return ms
+
+
+def table(ms: dict, batches: list[int], threads: int) -> str:
+    rows = ["| threads | batch | sync ms | async ms | async / sync | sync outside ms | async outside ms | "
+            "per round (sync / async) |", "|---|---|---|---|---|---|---|---|"]
+    for b in batches:
+        (s, s_out), (a, a_out) = ([statistics.median(x[i] for x in ms[m, b]) for i in (0, 1)] for m in MODES)
+        rounds = ", ".join(f"{x[0]:.1f} / {y[0]:.1f}" for x, y in zip(ms["sync", b], ms["async", b]))
+        rows.append(f"| {threads} | {b} | {s:.1f} | {a:.1f} | {a / s:.3f} | {s_out:.2f} | {a_out:.2f} | {rounds} |")
+    return "\n".join(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    path = make()
+    common = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=max(args.batches), kv_cache_memory=512 << 20,
+                  num_threads=args.threads)
+    llms = {m: LLM(path, async_scheduling=m == "async", **common) for m in MODES}
+    text = table(measure(llms, args.batches, args.rounds), args.batches, args.threads)
+    print(text)
+    header = (f"Medium Qwen3-MoE, bf16, {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per step "
+              f"(schedule, forward, sampling and output processing), medians of {args.rounds} rounds alternated in "
+              f"one process; `{platform.cpu_flags()}`, {args.threads} kernel thread(s).\n\n"
+              f"    python examples/bench_async_scheduling.py --threads {args.threads} --rounds {args.rounds}\n\n")
+    write_section(f"Async scheduling: medium Qwen3-MoE decode, {args.threads} thread(s)", header + text)
+
+
+if __name__ == "__main__":
+    main()
