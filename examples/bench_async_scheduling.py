@@ -79,7 +79,11 @@ def main():
     print(text)
     header = (f"Medium Qwen3-MoE, bf16, {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per step "
               f"(schedule, forward, sampling and output processing), medians of {args.rounds} rounds alternated in "
-              f"one process; `{platform.cpu_flags()}`, {args.threads} kernel thread(s).\n\n"
+              f"one process; `{platform.cpu_flags()}`, {args.threads} kernel thread(s). Outside: the part of a step "
+              f"outside the forward and sampling, all that async scheduling can hide; the async path hides the "
+              f"scheduling and the previous step's output processing but pays two thread hand-offs per step (the "
+              f"forward's end wakes the main thread, the next launch wakes the worker) and builds the next step's "
+              f"sampling tensors after its tokens arrive.\n\n"
               f"    python examples/bench_async_scheduling.py --threads {args.threads} --rounds {args.rounds}\n\n")
     write_section(f"Async scheduling: medium Qwen3-MoE decode, {args.threads} thread(s)", header + text)
 
