@@ -84,3 +84,21 @@ def test_a_failed_forward_in_flight_leaves_the_engine_usable(engines, monkeypatc
 def test_async_scheduling_refuses_speculative_decoding(tiny_qwen3_moe):
     with pytest.raises(ValueError, match="async_scheduling"):
         _llm(tiny_qwen3_moe, async_scheduling=True, speculative={"method": "ngram", "num_draft_tokens": 2})
+
+
+def test_abort_request_while_its_step_is_in_flight(engines):
+    sync, fast = engines
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = fast.engine
+    engine.add_request("keep", [5, 6, 7], params)
+    engine.add_request("drop", [8, 9, 10, 11], params)
+    finished = []
+    for _ in range(4):  # a prefill, then decode steps: the next one is in flight after each
+        finished += engine.step()[0]
+    assert engine._flight is not None and not finished
+    assert engine.abort_request("drop")
+    while engine.has_unfinished():
+        finished += engine.step()[0]
+    assert [o.request_id for o in finished] == ["keep"]
+    assert finished[0].outputs[0].token_ids == sync.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert engine.scheduler.block_manager.num_free_blocks == engine.cache.num_blocks and not engine.seqs
