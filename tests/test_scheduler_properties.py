@@ -307,12 +307,18 @@ def test_async_aborts_in_flight_defer_frees_without_starving(prompts, num_blocks
     sched.check_invariants()
 
 
+def _decode_in_flight(num_blocks, max_tokens):
+    """A scheduler (blocks of 4) whose sequences (5-token prompts, max_tokens each) are prefilled, and the decode
+    step it then schedules, not yet processed."""
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4)
+    for sid, n in enumerate(max_tokens):
+        sched.add_sequence(sid, [3] * 5, _C.SamplingLimits(n))
+    sched.process(sched.schedule(), [9] * len(max_tokens))
+    return sched, sched.schedule()
+
+
 def test_ahead_step_feeds_drawn_tokens_and_drops_sequences_that_ended():
-    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=4)
-    for sid, max_tokens in enumerate([10, 10, 2]):
-        sched.add_sequence(sid, [3] * 5, _C.SamplingLimits(max_tokens))
-    sched.process(sched.schedule(), [9, 9, 9])
-    flight = sched.schedule()
+    sched, flight = _decode_in_flight(40, [10, 10, 2])
     ahead = sched.schedule_ahead(flight)
     assert sorted(ahead.seq_ids) == [0, 1], "sequence 2 ends by length with the token in flight"
     assert ahead.positions.tolist() == [6, 6] and ahead.context_lens.tolist() == [7, 7]
@@ -329,10 +335,7 @@ def test_ahead_step_feeds_drawn_tokens_and_drops_sequences_that_ended():
 
 
 def test_finish_in_flight_frees_blocks_when_its_step_is_processed():
-    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=2)
-    sched.add_sequence(0, [3] * 6, _C.SamplingLimits(10))
-    sched.process(sched.schedule(), [9])
-    flight = sched.schedule()
+    sched, flight = _decode_in_flight(12, [10])
     held = len(sched.sequence(0).block_table)
     sched.finish(0, _C.FinishReason.ABORT)
     assert sched.block_manager.num_free_blocks == 12 - held and not sched.has_unfinished()
@@ -343,10 +346,7 @@ def test_finish_in_flight_frees_blocks_when_its_step_is_processed():
 
 
 def test_no_ahead_step_while_a_prompt_waits_for_prefill():
-    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=4)
-    sched.add_sequence(0, [3] * 5, _C.SamplingLimits(10))
-    sched.process(sched.schedule(), [9])
-    flight = sched.schedule()
+    sched, flight = _decode_in_flight(40, [10])
     sched.add_sequence(1, [3] * 5, _C.SamplingLimits(10))
     assert sched.schedule_ahead(flight).type == _C.StepType.IDLE
     sched.process(flight, [9])
