@@ -1,4 +1,5 @@
 """Turns a C++ ScheduledBatch into tensors, runs the model forward and the sampler."""
+import numpy as np
 import torch
 
 from deepinfer import _C
@@ -13,8 +14,10 @@ class ModelRunner:
 
     def prepare(self, batch) -> tuple[torch.Tensor, AttentionMetadata]:
         """ScheduledBatch -> (input_ids [T], metadata). The arrays come from C++ input prep."""
-        qsl = torch.from_numpy(batch.query_start_loc).long()
-        ctx = torch.from_numpy(batch.context_lens).long()
+        # Maxima from the numpy arrays: each torch op on these few values costs more, and a decode step's Python
+        # runs with caches the weight stream has just emptied.
+        qsl_np, ctx_np = batch.query_start_loc, batch.context_lens
+        qsl, ctx = torch.from_numpy(qsl_np).long(), torch.from_numpy(ctx_np).long()
         meta = AttentionMetadata(
             is_prefill=batch.type == _C.StepType.PREFILL,
             positions=torch.from_numpy(batch.positions),
@@ -24,8 +27,8 @@ class ModelRunner:
             block_tables=torch.from_numpy(batch.block_tables).long(),
             state_slots=torch.from_numpy(batch.state_slots).long(),
             block_size=self.block_size,
-            max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-            max_context_len=int(ctx.max()),
+            max_query_len=int(np.diff(qsl_np).max()),
+            max_context_len=int(ctx_np.max()),
         )
         return torch.from_numpy(batch.input_ids), meta
 
@@ -34,7 +37,10 @@ class ModelRunner:
         """[S, V] fp32 logits at the last token of each of the S sampled sequences (batch.sampled)."""
         input_ids, meta = self.prepare(batch)
         hidden = self.model(input_ids, meta)
-        return self.model.compute_logits(hidden[meta.last_token_indices[torch.from_numpy(batch.sampled).bool()]])
+        sampled = batch.sampled
+        if meta.max_query_len == 1 and sampled.all():  # a decode step: every row is a sampled last token
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[meta.last_token_indices[torch.from_numpy(sampled).bool()]])
 
     @torch.inference_mode()
     def logits_all(self, batch) -> torch.Tensor:
