@@ -368,3 +368,14 @@ def test_channel_round_trip_keeps_tensors_out_of_band():
     assert len(frames) == 2 and len(frames[0]) < 1000  # the 4000 tensor bytes are a separate frame
     back = decode([bytes(f) for f in frames])
     assert torch.equal(back["x"], t) and back["ids"] == [1, 2]
+
+
+def test_free_port_is_bindable_and_outside_the_ranges_others_draw_from():
+    import socket
+
+    from deepinfer.distributed.process_groups import _PORTS_FROM, _ephemeral_low, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(_PORTS_FROM <= p < _ephemeral_low() for p in ports) and len(ports) > 1
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", ports.pop()))

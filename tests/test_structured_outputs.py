@@ -126,3 +126,16 @@ def test_malformed_structured_outputs_params_name_the_field(so, match):
     with pytest.raises(ValueError, match=f"SamplingParams.structured_outputs.*{match}"):
         SamplingParams(structured_outputs=so)
     assert StructuredOutputsParams(choice=["a"]).kind == "choice"
+
+
+def test_async_scheduling_with_structured_outputs_matches_sync(tiny_qwen3_moe, qwen):
+    """The grammar advances before the next step launches (its mask is that step's sampling input): the same
+    tokens as synchronous steps, and a completed grammar ends its sequence before another row is computed."""
+    ps = ["the quick", "hello world", "paris is"]
+    reqs = params("json") + params("choice")
+    plain = [o.outputs[0].token_ids for o in qwen.generate(ps + ps, reqs, use_tqdm=False)]
+    llm = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, block_size=4, async_scheduling=True)
+    outs = llm.generate(ps + ps, reqs, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain and llm.engine.num_steps["ahead"] > 0
+    for kind, o in zip(["json"] * 3 + ["choice"] * 3, outs):
+        check(kind, o.outputs[0].text)

@@ -4,17 +4,41 @@ MoE all-to-alls run on the device backend (NCCL when the experts live on a GPU, 
 per-step vote is a tiny CPU all-reduce and always uses gloo. Everything binds to 127.0.0.1."""
 import datetime
 import os
+import random
 import socket
+import time
 
 import torch
 import torch.distributed as dist
 
 
+# Ray's workers take ports up to 19999 by default, and the kernel hands out ephemeral ports from
+# ip_local_port_range (32768 up, by default): a port between them stays free from the check until the master
+# binds it seconds later, where an ephemeral one was seen taken by then (EADDRINUSE in a disaggregated DP test).
+_PORTS_FROM = 20000
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the master binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now and outside the ranges others draw from, so still free when the master
+    binds it; an ephemeral one if none is."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    candidates = [rng.randrange(_PORTS_FROM, _ephemeral_low()) for _ in range(64)] + [0]
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(_PORTS_FROM + 1, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class DPGroup:
