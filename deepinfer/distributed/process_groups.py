@@ -6,7 +6,6 @@ import datetime
 import os
 import random
 import socket
-import time
 
 import torch
 import torch.distributed as dist
@@ -21,8 +20,8 @@ _PORTS_FROM = 20000
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now and outside the ranges others draw from, so still free when the master
     binds it; an ephemeral one if none is."""
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    candidates = [rng.randrange(_PORTS_FROM, _ephemeral_low()) for _ in range(64)] + [0]
+    rng, below = random.SystemRandom(), _ephemeral_low()  # not the global RNG: tests seed it alike in every process
+    candidates = [rng.randrange(_PORTS_FROM, below) for _ in range(64)] + [0]
     for port in candidates:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:

@@ -316,7 +316,9 @@ class LLMEngine:
         """Finishes the step in flight; a DP group's forced step types run synchronously from the next step on."""
         batch, future = self._flight
         ahead = self.scheduler.schedule_ahead(batch) if want == _C.StepType.IDLE else None
-        if ahead is not None and ahead.type == _C.StepType.DECODE:
+        if ahead is not None and ahead.type != _C.StepType.DECODE:
+            ahead = None
+        if ahead is not None:
             self._unprocessed.append(ahead)
         out = future.result()
         self._flight = None
@@ -325,7 +327,7 @@ class LLMEngine:
         if self.eplb is not None:  # before the next forward: a replan moves expert weights
             self.eplb.end_step()
         states = [self._take_tokens(res) for res in results]
-        if ahead is not None and ahead.type == _C.StepType.DECODE:
+        if ahead is not None:
             self.scheduler.complete_ahead(ahead)
             self._unprocessed.remove(ahead)
             if ahead.type == _C.StepType.DECODE:
