@@ -351,3 +351,19 @@ def test_no_ahead_step_while_a_prompt_waits_for_prefill():
     assert sched.schedule_ahead(flight).type == _C.StepType.IDLE
     sched.process(flight, [9])
     assert sched.schedule().type == _C.StepType.PREFILL
+
+
+def test_a_decode_that_evicts_its_only_sequence_lets_a_prefill_run_in_the_same_step():
+    """24 blocks of 2: a 25-token prompt decodes while a 24-token one is prefilled a token per step; when the
+    decoder needs its 14th block it can only evict itself, and the step must then go to the prefill."""
+    sched = make_scheduler(num_blocks=24, block_size=2, max_num_seqs=2, budget=1)
+    sched.add_sequence(0, [7] * 25, _C.SamplingLimits(3))
+    sched.add_sequence(1, [7] * 24, _C.SamplingLimits(1))
+    evicted = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch.type != _C.StepType.IDLE, "unfinished sequences but no step"
+        evicted += [(s, batch.type) for s in batch.preempted]
+        sched.process(batch, [9] * int(batch.sampled.sum()))
+        sched.check_invariants()
+    assert (0, _C.StepType.PREFILL) in evicted

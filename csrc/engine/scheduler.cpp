@@ -86,7 +86,8 @@ ScheduledBatch Scheduler::schedule(StepType want) {
   bool may_prefill = config_.engine_type != EngineType::COMPLETION && want != StepType::DECODE;
   bool may_decode = config_.engine_type != EngineType::PROMPT && want != StepType::PREFILL;
   if (may_prefill && schedule_prefill(batch)) return batch;
-  if (may_decode) schedule_decode(batch);
+  // A decode step that fits no one may still have evicted sequences: their blocks let a prefill run now.
+  if (may_decode && !schedule_decode(batch) && may_prefill && !batch.preempted.empty()) schedule_prefill(batch);
   return batch;
 }
 
