@@ -48,6 +48,9 @@ constexpr int64_t AMX_TILE_ROWS = 16, AMX_TILE_K = 32;
 // Packed weights (pair_tile in gemm_kernel.h): output columns per panel (one AVX-512 vector of fp32 sums, two
 // AVX2 vectors).
 constexpr int64_t PAIR_BLOCK = 16;
+// Up to this many rows a GEMM streams its weights from memory: gemm_bf16 gives each thread one column range,
+// and the packed tiles prefetch only inside it (pair_columns).
+constexpr int64_t STREAM_MAX_ROWS = 4;
 
 // w [N, K] bf16 <-> wp [N/PAIR_BLOCK][K/2][PAIR_BLOCK][2] (N a multiple of PAIR_BLOCK, K even): the layout
 // GemmMode::packed reads. unpack: wp -> w.
