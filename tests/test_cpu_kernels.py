@@ -185,8 +185,9 @@ def test_bf16_engine_logits_close_to_fp32_transformers(tiny_qwen3_moe):
 
 def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monkeypatch):
     """Shapes past the kernels' threading thresholds: tokens (mHC), sequences (V4 attention) and
-    (sequence, kv head) pairs (paged attention) are split over
-    the pool, each computed as on one thread, so 2 and 3 threads give the same bits as 1."""
+    sequences, or with fewer sequences than threads (sequence, kv heads) parts (paged attention: one sequence's
+    4 kv heads in 2 and 3 parts) are split over the pool, each computed as on one thread, so 2 and 3 threads
+    give the same bits as 1."""
     from deepinfer.layers import cpu_ops
 
     g = torch.Generator().manual_seed(11)
@@ -207,7 +208,8 @@ def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monke
         merged = cpu_ops.hc_merge(block_out, streams, post, comb)
         return (post, comb, collapsed, merged, cpu_ops.v4_decode_attention(q, ring, ring_len, comp, valid, sinks, 0.1),
                 cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1),
-                cpu_ops.paged_decode_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.1))
+                cpu_ops.paged_decode_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.1),
+                cpu_ops.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([61]), 0.1))
 
     monkeypatch.setattr(platform, "kernel_threads", lambda: 1)
     ref = run()

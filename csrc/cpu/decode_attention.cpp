@@ -88,14 +88,33 @@ Isa decode_attention_isa(bool bf16, int64_t D) {
   return Isa::AVX2;
 }
 
-// AVX2 / AVX512, task b: sequence b's keys and values widened to fp32 [n, Hkv, D] buffers one cache block at a time (a
-// block's rows of all kv heads are one contiguous run: one widening loop per block, not one per row and
-// head); then each kv head's H / Hkv query heads at once, reading its keys at a stride of Hkv * D.
+namespace {
+
+// Keys or values of one sequence's first n positions, heads' elements [h0, h0 + width) of each row (row: Hkv * D
+// elements) -> dst [n, width] fp32. All heads: a cache block's rows are one contiguous run, widened in one loop.
+void widen_heads(const void* cache, bool bf16, const int64_t* table, int64_t n, int64_t block_size, int64_t row,
+                 int64_t h0, int64_t width, float* dst) {
+  for (int64_t j = 0; j < n; j += block_size) {
+    const int64_t src = table[j / block_size] * block_size * row + h0, rows = std::min(block_size, n - j);
+    if (width == row) {
+      load_row(cache, src, rows * row, bf16, dst + j * row);
+      continue;
+    }
+    for (int64_t r = 0; r < rows; ++r) load_row(cache, src + r * row, width, bf16, dst + (j + r) * width);
+  }
+}
+
+}  // namespace
+
+// AVX2 / AVX512, task (b, part): sequence b's kv heads [g0, g1) (all of them when there are as many sequences as
+// threads; with fewer, the heads are split so every thread has work: at batch 1 a layer's attention on one of two
+// threads cost as much as its 2 MB o_proj on both). Their keys and values widened to fp32 once, then each kv head's
+// H / Hkv query heads at once, reading its keys at a stride of (g1 - g0) * D.
 void paged_decode_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                             const int64_t* context_lens, float scale, void* out, bool bf16, int64_t B, int64_t H,
                             int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int num_threads, Isa isa) {
   const int64_t group = H / Hkv, max_keys = max_blocks * block_size, row = Hkv * D;
-  const int threads = threads_for(B * H * max_keys * D, num_threads, 1 << 20);
+  const int threads = threads_for(B * H * max_keys * D, num_threads);
   if (isa == Isa::AVX512_BF16)
     return parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
       paged_sequences_bf16(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
@@ -103,24 +122,22 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
                            static_cast<uint16_t*>(out), H, Hkv, D, block_size, max_blocks, b0, b1);
     });
   const AttendFn attend = attend_fn(isa);
-  parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
-    // This thread's buffers (no zeroing: only what a sequence writes is read): keys, values [max_keys, Hkv, D],
-    // q, out [H, D], p [group, max_keys].
+  const int64_t parts = B >= threads ? 1 : std::min<int64_t>(Hkv, (threads + B - 1) / B);
+  parallel_ranges(B * parts, threads, [&](int64_t t0, int64_t t1) {
+    // This thread's buffers (no zeroing: only what a task writes is read): keys, values [max_keys, Hkv, D] (at
+    // most), q, out [H, D], p [group, max_keys].
     Scratch<float> work(ScratchUse::DECODE_ATTENTION, 2 * max_keys * row + 2 * H * D + group * max_keys);
     float *keys = work.data(), *values = keys + max_keys * row, *qf = values + max_keys * row, *acc = qf + H * D;
     float* p = acc + H * D;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = std::min(context_lens[b], max_keys);
-      for (int64_t j = 0; j < n; j += block_size) {
-        const int64_t src = block_tables[b * max_blocks + j / block_size] * block_size * row;
-        const int64_t len = std::min(block_size, n - j) * row;
-        load_row(k_cache, src, len, bf16, keys + j * row);
-        load_row(v_cache, src, len, bf16, values + j * row);
-      }
-      load_row(q, b * H * D, H * D, bf16, qf);
-      for (int64_t g = 0; g < Hkv; ++g)
-        attend(qf + g * group * D, group, keys + g * D, values + g * D, n, D, row, scale, nullptr, p, acc + g * group * D);
-      store_row(out, b * H * D, H * D, bf16, acc);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / parts, g0 = Hkv * (t % parts) / parts, g1 = Hkv * (t % parts + 1) / parts;
+      const int64_t n = std::min(context_lens[b], max_keys), width = (g1 - g0) * D, q_elems = (g1 - g0) * group * D;
+      widen_heads(k_cache, bf16, block_tables + b * max_blocks, n, block_size, row, g0 * D, width, keys);
+      widen_heads(v_cache, bf16, block_tables + b * max_blocks, n, block_size, row, g0 * D, width, values);
+      load_row(q, (b * H + g0 * group) * D, q_elems, bf16, qf);
+      for (int64_t g = 0; g < g1 - g0; ++g)
+        attend(qf + g * group * D, group, keys + g * D, values + g * D, n, D, width, scale, nullptr, p, acc + g * group * D);
+      store_row(out, (b * H + g0 * group) * D, q_elems, bf16, acc);
     }
   });
 }
