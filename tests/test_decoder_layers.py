@@ -1,5 +1,6 @@
 """Every decoder layer at decode in one call (cpu_ops.decoder_layers, LlamaForCausalLM._fused_layers) against
-the per-layer fused halves it chains: the same bits, KV stores and expert counts, and errors that name the layer."""
+the per-layer fused halves it chains: the same bits, KV stores and expert counts, and errors that name the layer;
+with the final norm and LM head (LlamaForCausalLM._fused_head) the bits of the unfused logits."""
 import pytest
 import torch
 from test_attention_block import HIDDEN, H, D, inputs
@@ -10,7 +11,7 @@ from deepinfer.layers import cpu_ops, gemm_plan
 from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.models.qwen3_moe import SparseMoeBlock
-from tests.conftest import our_kernel_path
+from tests.conftest import make_qwen3_moe, our_kernel_path
 
 LAYERS, EXPERTS = 3, 8
 
@@ -57,6 +58,57 @@ def test_one_call_is_bit_identical_to_the_halves_it_chains(isa):
     for (w_ref, *_), (w, *_), ref_layer, layer in zip(ref_caches, caches, ref_layers, layers):
         assert torch.equal(w["k_cache"], w_ref["k_cache"]) and torch.equal(w["v_cache"], w_ref["v_cache"])
         assert torch.equal(layer[2], ref_layer[2]) and layer[2].sum() == x.shape[0] * 2  # top-2 counted per token
+
+
+@pytest.mark.parametrize("packed", [False] + ([True] if cpu_ops.PACKED_ISA else []))
+def test_head_gives_the_bits_of_the_norm_and_lm_head_after_the_layers(packed):
+    """decoder_layers with a head: fp32 logits [T, vocab] equal to rms_norm then linear_bf16 (one rounding to bf16)
+    over the layers' output, widened; the LM head packed in bf16 pairs where this CPU has a packed kernel."""
+    isa = cpu_ops.PACKED_ISA if packed else cpu_ops.EXACT_ISA
+    g = torch.Generator().manual_seed(5)
+    norm_w = (1 + 0.1 * torch.randn(HIDDEN, generator=g)).bfloat16()
+    lm = (0.2 * torch.randn(80, HIDDEN, generator=g)).bfloat16()
+    if packed:
+        cpu_ops.pack_in_place(lm)
+    head = cpu_ops.decode_head_weights(norm_w, 1e-6, lm, isa, packed=packed)
+    ref_layers, ref_caches, x, meta = make_layers(isa)
+    layers, caches, _, _ = make_layers(isa)
+    hidden = run(ref_layers, x, meta)
+    ref = cpu_ops.linear_bf16(cpu_ops.rms_norm(hidden, norm_w, 1e-6), lm, isa=isa, packed=packed).float()
+    logits = cpu_ops.decoder_layers(x, meta["positions"], meta["slot_mapping"], meta["block_tables"],
+                                    meta["context_lens"], layers, head)
+    assert logits.dtype == torch.float32 and logits.shape == (x.shape[0], 80) and torch.equal(logits, ref)
+    assert torch.equal(logits, logits.bfloat16().float()) and logits.std() > 0.1  # bf16 values, not constant
+    fp32_head = cpu_ops.decode_head_weights(norm_w.float(), 1e-6, lm, isa, packed=packed)
+    with pytest.raises(ValueError, match="the head must share one activation dtype"):
+        cpu_ops.decoder_layers(x, meta["positions"], meta["slot_mapping"], meta["block_tables"], meta["context_lens"],
+                               layers, fp32_head)
+    with pytest.raises(ValueError, match="does not take norm_w"):
+        cpu_ops.decode_head_weights(norm_w[:32], 1e-6, lm, isa, packed=packed)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_decode_logits_come_from_the_head_with_unchanged_outputs(tmp_path, monkeypatch, tied):
+    """Every decode step's logits come from decoder_layers' head; greedy tokens and logprobs equal those of the
+    layers' call followed by compute_logits (an untied, packed LM head, and one tied to the embeddings)."""
+    path = make_qwen3_moe(str(tmp_path / "m"), tie_word_embeddings=tied)
+    monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
+    prompts = [[5, 6, 7, 8, 9], [12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def generate():
+        llm = LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    heads = []
+    real = cpu_ops.decoder_layers
+    monkeypatch.setattr(cpu_ops, "decoder_layers", lambda *a: heads.append(len(a) > 6 and a[6] is not None) or real(*a))
+    fused = generate()
+    assert len(heads) == 7 and all(heads)  # every decode step after the prefill's first token
+    monkeypatch.setattr(LlamaForCausalLM, "_fused_head", lambda self, x: None)
+    heads.clear()
+    unfused = generate()
+    assert len(heads) == 7 and not any(heads) and fused == unfused
 
 
 def test_errors_name_the_layer():

@@ -188,6 +188,15 @@ void bind_cpu_kernels(py::module_& m) {
         b.expert_isa = expert_isa;
         return b;
       }));
+  py::class_<DecodeHead>(m, "DecodeHead", "a model's final norm and LM head, checked by cpu_ops.decode_head_weights")
+      .def(py::init([](uintptr_t norm_w, float eps, uintptr_t lm_head, int64_t vocab, int isa, bool invariant,
+                       bool packed) {
+        DecodeHead h;
+        h.norm_w = reinterpret_cast<const void*>(norm_w), h.eps = eps;
+        h.lm_head = reinterpret_cast<const uint16_t*>(lm_head), h.vocab = vocab;
+        h.mode = gemm_mode(isa, invariant, packed);
+        return h;
+      }));
   m.def(
       "attention_block",
       [](uintptr_t x, uintptr_t out, int64_t T, bool bf16, uintptr_t positions, uintptr_t slots,
@@ -221,7 +230,8 @@ void bind_cpu_kernels(py::module_& m) {
       [](uintptr_t x, uintptr_t out, int64_t T, bool bf16, uintptr_t positions, uintptr_t slots,
          uintptr_t block_tables, int64_t max_blocks, uintptr_t context_lens, int threads,
          const std::vector<AttentionBlock*>& attention, const std::vector<MoeBlock*>& moe,
-         const std::vector<uintptr_t>& counts, const std::vector<uintptr_t>& log2phy) {
+         const std::vector<uintptr_t>& counts, const std::vector<uintptr_t>& log2phy, const DecodeHead* head,
+         uintptr_t logits) {
         const size_t L = attention.size();
         if (moe.size() != L || counts.size() != L || log2phy.size() != L)
           throw py::value_error("decoder_layers: one attention half, MoE half, counts and log2phy per layer");
@@ -234,14 +244,15 @@ void bind_cpu_kernels(py::module_& m) {
           py::gil_scoped_release release;
           status = decoder_layers(layers, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out),
                                   decode_batch(T, positions, slots, block_tables, max_blocks, context_lens), bf16,
-                                  threads);
+                                  threads, head, reinterpret_cast<float*>(logits));
         }
         if (status.layer < 0) return;
         const std::string where = "decoder_layers: layer " + std::to_string(status.layer);
         raise_attention_status(status.attention, *attention[status.layer], max_blocks, where);
         raise_bad_expert(*moe[status.layer], where);
       },
-      "out [T,hidden] = the layers' attention_block and moe_block in turn from x, at decode, in one call");
+      "out [T,hidden] = the layers' attention_block and moe_block in turn from x, at decode, in one call; with a "
+      "head (else None), also logits [T,vocab] fp32 = lm_head(norm(out))");
   m.def(
       "greedy_tokens",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {

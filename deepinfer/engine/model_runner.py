@@ -36,17 +36,17 @@ class ModelRunner:
     def logits(self, batch) -> torch.Tensor:
         """[S, V] fp32 logits at the last token of each of the S sampled sequences (batch.sampled)."""
         input_ids, meta = self.prepare(batch)
-        hidden = self.model(input_ids, meta)
         sampled = batch.sampled
         if meta.max_query_len == 1 and sampled.all():  # a decode step: every row is a sampled last token
-            return self.model.compute_logits(hidden)
+            return self.model.forward_logits(input_ids, meta)
+        hidden = self.model(input_ids, meta)
         return self.model.compute_logits(hidden[meta.last_token_indices[torch.from_numpy(sampled).bool()]])
 
     @torch.inference_mode()
     def logits_all(self, batch) -> torch.Tensor:
         """[T, V] fp32 logits at every query token (verification needs each draft's position)."""
         input_ids, meta = self.prepare(batch)
-        return self.model.compute_logits(self.model(input_ids, meta))
+        return self.model.forward_logits(input_ids, meta)
 
     @torch.inference_mode()
     def execute(self, batch, sampling: SamplingBatch) -> SamplerOutput:

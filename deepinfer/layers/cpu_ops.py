@@ -283,22 +283,40 @@ def _load_pointers(moe_weights: tuple, counts: torch.Tensor | None, log2phy: tor
     return _ptr(counts), _ptr(log2phy)
 
 
+def decode_head_weights(norm_w: torch.Tensor, eps: float, lm_head: torch.Tensor, isa: str, invariant: bool = False,
+                        packed: bool = False) -> tuple:
+    """Checks a model's final RMSNorm and LM head once and returns them as decoder_layers' `head`: norm_w [hidden]
+    (the activations' dtype, fp32/bf16); lm_head [vocab, hidden] bf16 on isa (a key of GEMM_ISAS; packed: it is
+    pack_bf16_pairs(...)). The tensors must outlive the result's use."""
+    _check(norm_w, "norm_w", STREAM_DTYPES, 1)
+    _check(lm_head, "lm_head", torch.bfloat16, 2)
+    if lm_head.shape[1] != norm_w.shape[0]:
+        raise ValueError(f"decode head: lm_head {tuple(lm_head.shape)} does not take norm_w {tuple(norm_w.shape)}")
+    return norm_w.dtype, norm_w.shape[0], lm_head.shape[0], _C.DecodeHead(
+        norm_w.data_ptr(), float(eps), lm_head.data_ptr(), lm_head.shape[0], _isa_id(isa), invariant, packed)
+
+
 def decoder_layers(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, layers: list[tuple]) -> torch.Tensor:
+                   context_lens: torch.Tensor, layers: list[tuple], head: tuple | None = None) -> torch.Tensor:
     """Decoder layers at decode in one call: x [T, hidden] -> after every layer's attention_block and moe_block
-    in turn [T, hidden]; the inputs as attention_block's. layers: per layer (attention_block_weights(...),
+    in turn [T, hidden], or with a head (decode_head_weights(...)) the fp32 logits [T, vocab] of its LM head over
+    its norm of that; the inputs as attention_block's. layers: per layer (attention_block_weights(...),
     moe_block_weights(...), counts, log2phy) with counts and log2phy as moe_block's. See csrc/cpu/decoder_layers.h."""
     if not layers:
         raise ValueError("decoder_layers: no layers")
     dtype, hidden, _ = layers[0][0]
-    if any(attn[:2] != (dtype, hidden) or moe[:2] != (dtype, hidden) for attn, moe, _, _ in layers):
-        raise ValueError("decoder_layers: every layer's halves must share one activation dtype and hidden size")
+    if any(attn[:2] != (dtype, hidden) or moe[:2] != (dtype, hidden) for attn, moe, _, _ in layers) \
+            or (head is not None and head[:2] != (dtype, hidden)):
+        raise ValueError("decoder_layers: every layer's halves and the head must share one activation dtype and "
+                         "hidden size")
     held, args = _decode_inputs("decoder_layers", x, dtype, hidden, positions, slot_mapping, block_tables, context_lens)
     pointers = [_load_pointers(moe, counts, log2phy) for _, moe, counts, log2phy in layers]
     out = torch.empty_like(x)
+    logits = None if head is None else torch.empty(x.shape[0], head[2], dtype=torch.float32)
     _C.decoder_layers(x.data_ptr(), out.data_ptr(), *args, platform.kernel_threads(), [attn[2] for attn, *_ in layers],
-                      [moe[3] for _, moe, *_ in layers], [c for c, _ in pointers], [m for _, m in pointers])
-    return out
+                      [moe[3] for _, moe, *_ in layers], [c for c, _ in pointers], [m for _, m in pointers],
+                      None if head is None else head[3], _ptr(logits))
+    return out if head is None else logits
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@
     bind_cache(paged: dict[str, Tensor], state: dict[str, Tensor]) -> None
     forward(input_ids [T], meta: AttentionMetadata) -> hidden [T, H]
     compute_logits(hidden [N, H]) -> logits [N, V] (fp32)
+    forward_logits(input_ids [T], meta) -> logits [T, V] (fp32): compute_logits(forward(...)), fused where it can
     load_weights(weights: Iterable[(hf_name, Tensor)]) -> None   # raises on missing/extra/misshapen
     weights_changed() -> None                 # optional: weights were moved or sharded after loading
 """

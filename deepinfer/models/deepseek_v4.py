@@ -441,6 +441,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head.weight).float()
 
+    def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.compute_logits(self(input_ids, meta))
+
     # ---- SWA bounded replay ------------------------------------------------------------------------------
 
     def replay_min_tokens(self, context_len: int) -> int:

@@ -182,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         # _fused_layers' checks by input kind, valid for one expert placement and until weights_changed().
         self._fused: dict[tuple, list | None] = {}
         self._fused_placement = None
+        self._fused_heads: dict[tuple, tuple | None] = {}  # _fused_head's checks by input kind, until weights_changed()
 
     def make_mlp(self, cfg, layer: int, dtype) -> nn.Module:
         return MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
@@ -206,11 +207,28 @@ class LlamaForCausalLM(nn.Module):
     def weights_changed(self) -> None:
         """Forgets which layers run fused: their weights, caches or expert sharding changed."""
         self._fused.clear()
+        self._fused_heads.clear()
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        return self._hidden(x, meta, self._fused_layers(x, meta))
+
+    def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """compute_logits(forward(input_ids, meta)): fp32 logits [T, V] at every token. Where the layers run fused
+        the final norm and LM head join their C++ call, the same bits without two more calls from Python (whose
+        code runs on caches the weight stream has just emptied)."""
+        x = self.embed_tokens(input_ids)
         layers = self._fused_layers(x, meta)
+        head = None if layers is None else self._fused_head(x)
+        if head is None:
+            return self.compute_logits(self._hidden(x, meta, layers))
+        return cpu_ops.decoder_layers(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                      layers, head)
+
+    def _hidden(self, x: torch.Tensor, meta: AttentionMetadata, layers: list[tuple] | None) -> torch.Tensor:
+        """Embeddings x [T, hidden] -> final hidden states, through the fused layers' one call where `layers`
+        (_fused_layers) is not None."""
         if layers is not None:
             x = cpu_ops.decoder_layers(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
                                        layers)
@@ -218,6 +236,20 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 x = layer(x, meta)
         return self.norm(x)
+
+    def _fused_head(self, x: torch.Tensor) -> tuple | None:
+        """cpu_ops.decoder_layers' `head` (the final norm and LM head) for inputs like x, or None where compute_logits
+        would not run the LM head on our kernels (the GEMM plan picked torch for this row count). Checked once per
+        dtype and row bucket."""
+        key = (x.dtype, bucket(x.shape[0]), PLAN.invariant)
+        if key not in self._fused_heads:
+            weight, packed = (self.embed_tokens.weight, False) if self.lm_head is None \
+                else (self.lm_head.weight, self.lm_head.packed)
+            ours = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_ops.fast_path(x, self.norm.weight)
+            path = PLAN.linear_path(x.dtype, x.shape[0], weight, packed) if ours else ""
+            self._fused_heads[key] = cpu_ops.decode_head_weights(self.norm.weight, self.norm.eps, weight, path[4:],
+                                                                 PLAN.invariant, packed) if path.startswith("cpu-") else None
+        return self._fused_heads[key]
 
     def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[tuple] | None:
         """cpu_ops.decoder_layers' `layers` for this step, or None unless every layer can run fused. Checking the
