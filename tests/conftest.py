@@ -54,6 +54,12 @@ def our_kernel_path(dtype: torch.dtype, m: int, w: torch.Tensor, packed: bool = 
     return f"cpu-{cpu_ops.PACKED_ISA if packed else cpu_ops.EXACT_ISA}"
 
 
+def our_expert_paths(w13: torch.Tensor, w2: torch.Tensor, counts: list[int], packed: bool = False) -> tuple:
+    """A GemmPlan.expert_paths that keeps every expert on our grouped kernel (the fused MoE half needs it), as
+    our_kernel_path does for linears: on a loaded host the timed plan can pick torch for a tiny expert shape."""
+    return our_kernel_path(torch.bfloat16, max(counts, default=0), w13, packed), []
+
+
 def make_llama(path: str, **overrides) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
