@@ -69,11 +69,11 @@ constexpr int64_t WIDE_MIN_ROWS = 10;
 constexpr int64_t WIDE_MIN_COLS = 256;
 // Column tasks per thread: a thread that finishes early (the other core busy with torch or the OS)
 // takes more of them, so one slow core does not hold up the whole GEMM. Up to STREAM_MAX_ROWS rows one
-// contiguous range per thread, whose prefetches stay inside it, reads faster: every range start is a cold stream, and the last task claimed runs alone at
-// one core's bandwidth (Zen 3, one row, two threads, cold weights, K 1024: N 1024 / 1536 read 0.74 / 0.78 of
-// the two-thread read rate with 4 tasks per thread, 0.87 / 0.85 with one; N 4096 and 32000 the same within
-// noise; medians of 6 runs alternated). One thread keeps one range whatever M: 4 ranges one after another
-// made batch 64 (experts of 5+ rows) 3% slower.
+// contiguous range per thread, whose prefetches stay inside it, reads faster: every range start is a cold
+// stream, and the last task claimed runs alone at one core's bandwidth (Zen 3, one row, two threads, cold
+// weights, K 1024: N 1024 / 1536 read 0.74 / 0.78 of the two-thread read rate with 4 tasks per thread, 0.87 /
+// 0.85 with one; N 4096 and 32000 the same within noise; medians of 6 runs alternated). One thread keeps one
+// range whatever M: 4 ranges one after another made batch 64 (experts of 5+ rows) 3% slower.
 constexpr int64_t COLUMN_TASKS_PER_THREAD = 4;
 // Whole column blocks of every row-major tile shape (4, 6, 8, 12, 16); packed weights: whole panels (PAIR_BLOCK).
 constexpr int64_t COLUMN_ALIGN = 48;

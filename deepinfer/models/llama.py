@@ -239,17 +239,22 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_head(self, x: torch.Tensor) -> tuple | None:
         """cpu_ops.decoder_layers' `head` (the final norm and LM head) for inputs like x, or None where compute_logits
-        would not run the LM head on our kernels (the GEMM plan picked torch for this row count). Checked once per
-        dtype and row bucket."""
+        would not run the LM head on our kernels. Checked once per dtype and row bucket."""
         key = (x.dtype, bucket(x.shape[0]), PLAN.invariant)
         if key not in self._fused_heads:
-            weight, packed = (self.embed_tokens.weight, False) if self.lm_head is None \
-                else (self.lm_head.weight, self.lm_head.packed)
-            ours = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_ops.fast_path(x, self.norm.weight)
-            path = PLAN.linear_path(x.dtype, x.shape[0], weight, packed) if ours else ""
-            self._fused_heads[key] = cpu_ops.decode_head_weights(self.norm.weight, self.norm.eps, weight, path[4:],
-                                                                 PLAN.invariant, packed) if path.startswith("cpu-") else None
+            self._fused_heads[key] = self._check_fused_head(x)
         return self._fused_heads[key]
+
+    def _check_fused_head(self, x: torch.Tensor) -> tuple | None:
+        """cpu_ops.decode_head_weights for inputs like x, or None: weights torch multiplies, activations our norm
+        does not take, or a GEMM plan that picked torch for this row count."""
+        weight, packed = self._lm_weight()
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not cpu_ops.fast_path(x, self.norm.weight):
+            return None
+        path = PLAN.linear_path(x.dtype, x.shape[0], weight, packed)
+        if not path.startswith("cpu-"):
+            return None
+        return cpu_ops.decode_head_weights(self.norm.weight, self.norm.eps, weight, path[4:], PLAN.invariant, packed)
 
     def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[tuple] | None:
         """cpu_ops.decoder_layers' `layers` for this step, or None unless every layer can run fused. Checking the
@@ -280,9 +285,14 @@ class LlamaForCausalLM(nn.Module):
         return None if eplb is None else eplb.placement
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight, packed = self._lm_weight()
+        return linear(hidden, weight, packed=packed).float()
+
+    def _lm_weight(self) -> tuple[torch.Tensor, bool]:
+        """The LM head's weight [V, H] and whether it is packed (tied: the embeddings, read as rows, never packed)."""
         if self.lm_head is None:
-            return linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return self.embed_tokens.weight, False
+        return self.lm_head.weight, self.lm_head.packed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
