@@ -159,21 +159,46 @@ def test_generate_validates_everything_before_running(qwen, bad, message):
 
 def test_non_finite_logits_fail_one_request_only(qwen, monkeypatch):
     runner = qwen.engine.runner
-    real = runner.logits
+    real = runner._logits
 
     target = []
 
-    def poisoned(batch):
-        logits = real(batch)
+    def poisoned(batch, input_ids, meta):
+        logits = real(batch, input_ids, meta)
         target[:] = target or [min(qwen.engine.seqs)]  # the first request's sequence
         for row, seq_id in enumerate(batch.seq_ids):
             if seq_id == target[0]:
                 logits[row] = float("nan")
         return logits
-    monkeypatch.setattr(runner, "logits", poisoned)
+    monkeypatch.setattr(runner, "_logits", poisoned)
     outs = qwen.generate([[5, 6, 7], [8, 9, 10]], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error" and "non-finite" in outs[0].outputs[0].error
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 10
+
+
+def test_non_finite_decode_in_one_call_fails_one_request_only(tiny_qwen3_moe, monkeypatch):
+    """A bf16 decode step that draws its greedy tokens inside its C++ call (decode_step): a sequence whose cached
+    keys turned NaN gets token -1 there and ends with "error"; the other sequence of the batch runs to its end."""
+    from deepinfer.layers import cpu_ops, gemm_plan
+    from tests.conftest import our_kernel_path
+
+    monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
+    llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, block_size=4)
+    engine, drawn = llm.engine, []
+    real = cpu_ops.decode_step
+    monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: drawn.append(a[-1]) or real(*a))
+    for i, ids in enumerate(([5, 6, 7], [8, 9, 10])):
+        engine.add_request(f"r{i}", ids, GREEDY)
+    engine.step()  # the prefill
+    target = min(engine.seqs)
+    for name, cache in engine.cache.paged.items():
+        cache[engine.scheduler.sequence(target).block_table] = float("nan")
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o.outputs[0] for o in engine.step()[0]})
+    assert drawn and all(drawn)  # every decode step drew in the call
+    assert finished["r0"].finish_reason == "error" and "non-finite" in finished["r0"].error
+    assert finished["r1"].finish_reason == "length" and len(finished["r1"].token_ids) == 10
 
 
 def test_model_errors_name_the_file(tmp_path, tiny_llama):

@@ -10,7 +10,7 @@
 
 #include "cpu/attention_block.h"
 #include "cpu/cpu_features.h"
-#include "cpu/decoder_layers.h"
+#include "cpu/decode_step.h"
 #include "cpu/decode_attention.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/hyper_connection.h"
@@ -225,34 +225,46 @@ void bind_cpu_kernels(py::module_& m) {
         if (!ok) raise_bad_expert(b, "moe_block");
       },
       "out [T,H] = x1 + moe(rms_norm(x1)), x1 = x + a: Qwen3-MoE's residual, norm, top-k router and experts");
+  py::class_<DecoderStack>(m, "DecoderStack", "a model's decode-time weights, checked by cpu_ops.decoder_stack")
+      .def(py::init([](uintptr_t embed, int64_t embed_rows, const std::vector<AttentionBlock*>& attention,
+                       const std::vector<MoeBlock*>& moe, const std::vector<uintptr_t>& log2phy,
+                       const DecodeHead* head) {
+             if (attention.empty() || moe.size() != attention.size() || log2phy.size() != attention.size())
+               throw py::value_error("decoder_stack: one attention half, MoE half and log2phy per layer, at least one");
+             DecoderStack s;
+             s.embed = reinterpret_cast<const void*>(embed), s.embed_rows = embed_rows;
+             for (size_t l = 0; l < attention.size(); ++l)
+               s.layers.push_back({attention[l], moe[l], reinterpret_cast<const int64_t*>(log2phy[l])});
+             if (head) s.head = *head;
+             return s;
+           }),
+           py::keep_alive<1, 4>(), py::keep_alive<1, 5>());  // the layers point at these halves
   m.def(
-      "decoder_layers",
-      [](uintptr_t x, uintptr_t out, int64_t T, bool bf16, uintptr_t positions, uintptr_t slots,
-         uintptr_t block_tables, int64_t max_blocks, uintptr_t context_lens, int threads,
-         const std::vector<AttentionBlock*>& attention, const std::vector<MoeBlock*>& moe,
-         const std::vector<uintptr_t>& counts, const std::vector<uintptr_t>& log2phy, const DecodeHead* head,
-         uintptr_t logits) {
-        const size_t L = attention.size();
-        if (moe.size() != L || counts.size() != L || log2phy.size() != L)
-          throw py::value_error("decoder_layers: one attention half, MoE half, counts and log2phy per layer");
-        std::vector<DecoderLayer> layers(L);
-        for (size_t l = 0; l < L; ++l)
-          layers[l] = {attention[l], moe[l], reinterpret_cast<int64_t*>(counts[l]),
-                       reinterpret_cast<const int64_t*>(log2phy[l])};
-        DecoderLayersStatus status;
+      "decode_step",
+      [](const DecoderStack& stack, uintptr_t ids, uintptr_t counts, uintptr_t out, uintptr_t logits, uintptr_t tokens,
+         int64_t T, bool bf16, uintptr_t positions, uintptr_t slots, uintptr_t block_tables, int64_t max_blocks,
+         uintptr_t context_lens, int threads) {
+        const auto* id = reinterpret_cast<const int64_t*>(ids);
+        DecodeStatus status;
         {
           py::gil_scoped_release release;
-          status = decoder_layers(layers, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out),
-                                  decode_batch(T, positions, slots, block_tables, max_blocks, context_lens), bf16,
-                                  threads, head, reinterpret_cast<float*>(logits));
+          status = decode_step(stack, id, reinterpret_cast<int64_t*>(counts),
+                               decode_batch(T, positions, slots, block_tables, max_blocks, context_lens), bf16, threads,
+                               reinterpret_cast<void*>(out), reinterpret_cast<float*>(logits),
+                               reinterpret_cast<int64_t*>(tokens));
         }
-        if (status.layer < 0) return;
-        const std::string where = "decoder_layers: layer " + std::to_string(status.layer);
-        raise_attention_status(status.attention, *attention[status.layer], max_blocks, where);
-        raise_bad_expert(*moe[status.layer], where);
+        if (status.ok()) return;
+        if (status.bad_row >= 0)
+          throw py::index_error("decode_step: input id " + std::to_string(id[status.bad_row]) + " of row " +
+                                std::to_string(status.bad_row) + " is outside the embedding's " +
+                                std::to_string(stack.embed_rows) + " rows");
+        const DecoderLayer& layer = stack.layers[status.layer];
+        const std::string where = "decode_step: layer " + std::to_string(status.layer);
+        raise_attention_status(status.attention, *layer.attention, max_blocks, where);
+        raise_bad_expert(*layer.moe, where);
       },
-      "out [T,hidden] = the layers' attention_block and moe_block in turn from x, at decode, in one call; with a "
-      "head (else None), also logits [T,vocab] fp32 = lm_head(norm(out))");
+      "out [T,hidden] = the stack's layers (attention_block, moe_block) over embed[ids] at decode, in one call; with "
+      "its head also logits [T,vocab] fp32 = lm_head(norm(out)), and with tokens (else 0) their greedy tokens [T]");
   m.def(
       "greedy_tokens",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {

@@ -40,8 +40,13 @@ void route_token(const float* logits, int64_t E, int64_t top_k, bool renorm, boo
   const float inv = 1.0f / sum;  // torch's softmax multiplies by the reciprocal of the sum
   for (float& v : p) v *= inv;
   std::iota(order.begin(), order.end(), 0);
-  std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                    [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  // NaN ranks above every number, as in torch.topk: compared as a number it would break the strict weak order
+  // partial_sort requires (undefined behaviour), and a request whose activations overflow shares its batch.
+  std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+    const bool nan_a = std::isnan(p[a]), nan_b = std::isnan(p[b]);
+    if (nan_a != nan_b) return nan_a;
+    return (!nan_a && p[a] != p[b]) ? p[a] > p[b] : a < b;
+  });
   float total = 0.0f;
   for (int64_t j = 0; j < top_k; ++j) total += p[order[j]];
   for (int64_t j = 0; j < top_k; ++j) {

@@ -31,7 +31,7 @@ using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 // What a Scratch buffer holds: each use has one buffer per thread, so uses that are live at once on one
 // thread (a caller's buffer while a kernel it calls takes its own) need different entries.
 enum class ScratchUse {
-  MOE_ROWS, MOE_OUT, EXPERT_ACT, GEMM_X, GEMM_X_TILES, AMX_TILES, LINEAR_OUT, LAYER_ATTENTION, ATTENTION_BLOCK,
+  MOE_ROWS, MOE_OUT, EXPERT_ACT, GEMM_X, GEMM_X_TILES, AMX_TILES, LINEAR_OUT, LAYER_INPUT, LAYER_ATTENTION, ATTENTION_BLOCK,
   DECODE_ATTENTION, COUNT
 };
 

@@ -11,6 +11,7 @@ class ModelRunner:
     def __init__(self, model, block_size: int):
         self.model, self.block_size = model, block_size
         self.sampler = Sampler()
+        self._greedy = getattr(model, "decode_greedy", None)  # optional: models that draw inside their decode call
 
     def prepare(self, batch) -> tuple[torch.Tensor, AttentionMetadata]:
         """ScheduledBatch -> (input_ids [T], metadata). The arrays come from C++ input prep."""
@@ -35,9 +36,11 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, batch) -> torch.Tensor:
         """[S, V] fp32 logits at the last token of each of the S sampled sequences (batch.sampled)."""
-        input_ids, meta = self.prepare(batch)
+        return self._logits(batch, *self.prepare(batch))
+
+    def _logits(self, batch, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         sampled = batch.sampled
-        if meta.max_query_len == 1 and sampled.all():  # a decode step: every row is a sampled last token
+        if _decodes_all(batch, meta):  # every row is a sampled last token
             return self.model.forward_logits(input_ids, meta)
         hidden = self.model(input_ids, meta)
         return self.model.compute_logits(hidden[meta.last_token_indices[torch.from_numpy(sampled).bool()]])
@@ -50,4 +53,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch, sampling: SamplingBatch) -> SamplerOutput:
-        return self.sampler(self.logits(batch), sampling)
+        """The step's forward and draw. A decode step whose rows all take the plain argmax draws it in the model's
+        own call where the model has one (decode_greedy): no logits pass through Python."""
+        input_ids, meta = self.prepare(batch)
+        if self._greedy is not None and _decodes_all(batch, meta) and self.sampler.plain_greedy(sampling):
+            tokens = self._greedy(input_ids, meta)
+            if tokens is not None:
+                return SamplerOutput(tokens, None, None, None, None)
+        return self.sampler(self._logits(batch, input_ids, meta), sampling)
+
+
+def _decodes_all(batch, meta: AttentionMetadata) -> bool:
+    """One query per sequence, each sampled: a decode step's rows are its logits' rows."""
+    return meta.max_query_len == 1 and bool(batch.sampled.all())

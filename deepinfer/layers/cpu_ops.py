@@ -223,14 +223,19 @@ def _decode_inputs(name: str, x: torch.Tensor, dtype: torch.dtype, hidden: int, 
     """Checks a decode step's inputs for the fused layer kernels -> (the int64 tensors the pointers point into, to
     be held for the call; the arguments (T, bf16, positions, slots, block_tables, max_blocks, context_lens))."""
     _check(x, "x", dtype, 2)
-    t = x.shape[0]
+    if x.shape[1] != hidden:
+        raise ValueError(f"{name}: x {tuple(x.shape)} must be [T, {hidden}]")
+    return _step_inputs(name, x.shape[0], dtype, positions, slot_mapping, block_tables, context_lens)
+
+
+def _step_inputs(name: str, t: int, dtype: torch.dtype, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple:
+    """_decode_inputs for a step of t tokens."""
     pos, slots, lens = (v.to(torch.int64).contiguous() for v in (positions, slot_mapping, context_lens))
     tables = block_tables.to(torch.int64).contiguous()
-    if x.shape[1] != hidden or pos.shape != (t,) or slots.shape != (t,) or lens.shape != (t,) or tables.dim() != 2 \
-            or tables.shape[0] != t:
-        raise ValueError(f"{name}: x {tuple(x.shape)} (hidden {hidden}), positions {tuple(pos.shape)}, "
-                         f"slot_mapping {tuple(slots.shape)}, context_lens {tuple(lens.shape)}, "
-                         f"block_tables {tuple(tables.shape)}")
+    if pos.shape != (t,) or slots.shape != (t,) or lens.shape != (t,) or tables.dim() != 2 or tables.shape[0] != t:
+        raise ValueError(f"{name}: {t} tokens, positions {tuple(pos.shape)}, slot_mapping {tuple(slots.shape)}, "
+                         f"context_lens {tuple(lens.shape)}, block_tables {tuple(tables.shape)}")
     return (pos, slots, tables, lens), (t, dtype == torch.bfloat16, pos.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                                         tables.shape[1], lens.data_ptr())
 
@@ -285,7 +290,7 @@ def _load_pointers(moe_weights: tuple, counts: torch.Tensor | None, log2phy: tor
 
 def decode_head_weights(norm_w: torch.Tensor, eps: float, lm_head: torch.Tensor, isa: str, invariant: bool = False,
                         packed: bool = False) -> tuple:
-    """Checks a model's final RMSNorm and LM head once and returns them as decoder_layers' `head`: norm_w [hidden]
+    """Checks a model's final RMSNorm and LM head once and returns them as decoder_stack's `head`: norm_w [hidden]
     (the activations' dtype, fp32/bf16); lm_head [vocab, hidden] bf16 on isa (a key of GEMM_ISAS; packed: it is
     pack_bf16_pairs(...)). The tensors must outlive the result's use."""
     _check(norm_w, "norm_w", STREAM_DTYPES, 1)
@@ -296,27 +301,50 @@ def decode_head_weights(norm_w: torch.Tensor, eps: float, lm_head: torch.Tensor,
         norm_w.data_ptr(), float(eps), lm_head.data_ptr(), lm_head.shape[0], _isa_id(isa), invariant, packed)
 
 
-def decoder_layers(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, layers: list[tuple], head: tuple | None = None) -> torch.Tensor:
-    """Decoder layers at decode in one call: x [T, hidden] -> after every layer's attention_block and moe_block
-    in turn [T, hidden], or with a head (decode_head_weights(...)) the fp32 logits [T, vocab] of its LM head over
-    its norm of that; the inputs as attention_block's. layers: per layer (attention_block_weights(...),
-    moe_block_weights(...), counts, log2phy) with counts and log2phy as moe_block's. See csrc/cpu/decoder_layers.h."""
+def decoder_stack(embed: torch.Tensor, layers: list[tuple], head: tuple | None = None) -> tuple:
+    """Checks a model's decode-time weights once and returns them as decode_step's `stack`: embed [vocab, hidden]
+    (the activations' dtype) for the step's token ids; layers: per layer (attention_block_weights(...),
+    moe_block_weights(...), log2phy) with log2phy as moe_block's; head: decode_head_weights(...) or None. The
+    tensors must outlive the result's use."""
     if not layers:
-        raise ValueError("decoder_layers: no layers")
-    dtype, hidden, _ = layers[0][0]
-    if any(attn[:2] != (dtype, hidden) or moe[:2] != (dtype, hidden) for attn, moe, _, _ in layers) \
+        raise ValueError("decoder_stack: no layers")
+    dtype, hidden = layers[0][0][:2]
+    if any(attn[:2] != (dtype, hidden) or moe[:2] != (dtype, hidden) for attn, moe, _ in layers) \
             or (head is not None and head[:2] != (dtype, hidden)):
-        raise ValueError("decoder_layers: every layer's halves and the head must share one activation dtype and "
+        raise ValueError("decoder_stack: every layer's halves and the head must share one activation dtype and "
                          "hidden size")
-    held, args = _decode_inputs("decoder_layers", x, dtype, hidden, positions, slot_mapping, block_tables, context_lens)
-    pointers = [_load_pointers(moe, counts, log2phy) for _, moe, counts, log2phy in layers]
-    out = torch.empty_like(x)
-    logits = None if head is None else torch.empty(x.shape[0], head[2], dtype=torch.float32)
-    _C.decoder_layers(x.data_ptr(), out.data_ptr(), *args, platform.kernel_threads(), [attn[2] for attn, *_ in layers],
-                      [moe[3] for _, moe, *_ in layers], [c for c, _ in pointers], [m for _, m in pointers],
-                      None if head is None else head[3], _ptr(logits))
-    return out if head is None else logits
+    _check(embed, "embed", dtype, 2)
+    if embed.shape[1] != hidden:
+        raise ValueError(f"decoder_stack: embed {tuple(embed.shape)} must be [vocab, {hidden}]")
+    for _, moe, log2phy in layers:
+        _check_vector(log2phy, "log2phy", torch.int64, moe[2])
+    num_counts = sum(moe[2] for _, moe, _ in layers)
+    return dtype, hidden, None if head is None else head[2], num_counts, _C.DecoderStack(
+        embed.data_ptr(), embed.shape[0], [attn[2] for attn, _, _ in layers], [moe[3] for _, moe, _ in layers],
+        [_ptr(log2phy) for _, _, log2phy in layers], None if head is None else head[3])
+
+
+def decode_step(stack: tuple, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, counts: torch.Tensor | None = None,
+                greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode step in one call: input_ids [T] int64 -> (out, tokens). out: the stack's last layer's output
+    [T, hidden] over embed[input_ids], or with a head the fp32 logits [T, vocab] of its LM head over its norm of
+    that; tokens (greedy, which needs a head): each logits row's first argmax [T] int64, -1 for a row with NaN or
+    inf, else None. The other inputs as attention_block's; counts [sum of the layers' E_logical] int64: every
+    layer's expert-load counters in layer order, added to (or None). See csrc/cpu/decode_step.h."""
+    dtype, hidden, vocab, num_counts, weights = stack
+    _check(input_ids, "input_ids", torch.int64, 1)
+    _check_vector(counts, "counts", torch.int64, num_counts)
+    if greedy and vocab is None:
+        raise ValueError("decode_step: greedy tokens need a stack with a head")
+    t = input_ids.shape[0]
+    held, (_, bf16, *args) = _step_inputs("decode_step", t, dtype, positions, slot_mapping, block_tables, context_lens)
+    out = torch.empty(t, hidden, dtype=dtype)
+    logits = None if vocab is None else torch.empty(t, vocab, dtype=torch.float32)
+    tokens = torch.empty(t, dtype=torch.int64) if greedy else None
+    _C.decode_step(weights, input_ids.data_ptr(), _ptr(counts), out.data_ptr(), _ptr(logits), _ptr(tokens), t, bf16,
+                   *args, platform.kernel_threads())
+    return out if logits is None else logits, tokens
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

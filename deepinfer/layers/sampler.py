@@ -66,8 +66,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] fp32."""
         logits = logits.float()
-        if (batch.all_greedy and batch.num_logprobs < 0 and batch.logits_rows is None and batch.grammars is None
-                and logits.is_contiguous() and logits.device.type == "cpu"):
+        if self.plain_greedy(batch) and logits.is_contiguous() and logits.device.type == "cpu":
             return SamplerOutput(cpu_ops.greedy_tokens(logits), None, None, None, None)  # one pass, not four
         finite = finite_rows(logits)
         if not bool(finite.all()):
@@ -75,6 +74,12 @@ class Sampler:
         tokens = self.draw(logits, batch)
         tokens = torch.where(finite, tokens, torch.full_like(tokens, -1))
         return self.logprobs(logits, tokens, batch.num_logprobs)
+
+    @staticmethod
+    def plain_greedy(batch: SamplingBatch) -> bool:
+        """Whether every row's token is the argmax of its raw logits (cpu_ops.greedy_tokens' rule) and nothing else
+        is wanted: greedy, no logprobs, logits processors or grammars."""
+        return batch.all_greedy and batch.num_logprobs < 0 and batch.logits_rows is None and batch.grammars is None
 
     def draw(self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, V] fp32, finite -> [B] int64 tokens drawn from the processed logits; -1 where nothing is

@@ -135,9 +135,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
 
     def fused_weights(self, x: torch.Tensor, meta: AttentionMetadata) -> tuple | None:
-        """(attention, MLP) weights of this layer's entry in cpu_ops.decoder_layers' `layers` (the MLP's
-        load_tensors complete it each step), or None where its fused halves cannot run these inputs (or its MLP has
-        no fused half)."""
+        """(attention, MLP) weights of this layer's entry in cpu_ops.decoder_stack's `layers` (the MLP's log2phy
+        completes it), or None where its fused halves cannot run these inputs (or its MLP has no fused half)."""
         block = member(self, "mlp")
         fused = getattr(block, "fused_weights", None)
         attn = member(self, "self_attn").fused_weights(x, member(self, "input_layernorm"), meta) \
@@ -179,10 +178,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
         self.tie_word_embeddings = bool(hf_get(cfg, "tie_word_embeddings", default=False))
         self.lm_head = None if self.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype)
-        # _fused_layers' checks by input kind, valid for one expert placement and until weights_changed().
-        self._fused: dict[tuple, list | None] = {}
-        self._fused_placement = None
-        self._fused_heads: dict[tuple, tuple | None] = {}  # _fused_head's checks by input kind, until weights_changed()
+        # _decode_stack's checks by input kind, valid for one expert placement and until weights_changed().
+        self._stacks: dict[tuple, tuple | None] = {}
+        self._stacks_placement = None
 
     def make_mlp(self, cfg, layer: int, dtype) -> nn.Module:
         return MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
@@ -205,45 +203,71 @@ class LlamaForCausalLM(nn.Module):
         self.weights_changed()
 
     def weights_changed(self) -> None:
-        """Forgets which layers run fused: their weights, caches or expert sharding changed."""
-        self._fused.clear()
-        self._fused_heads.clear()
+        """Forgets which decode steps run in one call: their weights, caches or expert sharding changed."""
+        self._stacks.clear()
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
+        stack = self._decode_stack(input_ids, meta, head=False)
+        if stack is not None:
+            return self.norm(self._decode_step(stack, input_ids, meta)[0])
         x = self.embed_tokens(input_ids)
-        return self._hidden(x, meta, self._fused_layers(x, meta))
-
-    def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """compute_logits(forward(input_ids, meta)): fp32 logits [T, V] at every token. Where the layers run fused
-        the final norm and LM head join their C++ call, the same bits without two more calls from Python (whose
-        code runs on caches the weight stream has just emptied)."""
-        x = self.embed_tokens(input_ids)
-        layers = self._fused_layers(x, meta)
-        head = None if layers is None else self._fused_head(x)
-        if head is None:
-            return self.compute_logits(self._hidden(x, meta, layers))
-        return cpu_ops.decoder_layers(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                                      layers, head)
-
-    def _hidden(self, x: torch.Tensor, meta: AttentionMetadata, layers: list[tuple] | None) -> torch.Tensor:
-        """Embeddings x [T, hidden] -> final hidden states, through the fused layers' one call where `layers`
-        (_fused_layers) is not None."""
-        if layers is not None:
-            x = cpu_ops.decoder_layers(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                                       layers)
-        else:
-            for layer in self.layers:
-                x = layer(x, meta)
+        for layer in self.layers:
+            x = layer(x, meta)
         return self.norm(x)
 
-    def _fused_head(self, x: torch.Tensor) -> tuple | None:
-        """cpu_ops.decoder_layers' `head` (the final norm and LM head) for inputs like x, or None where compute_logits
-        would not run the LM head on our kernels. Checked once per dtype and row bucket."""
-        key = (x.dtype, bucket(x.shape[0]), PLAN.invariant)
-        if key not in self._fused_heads:
-            self._fused_heads[key] = self._check_fused_head(x)
-        return self._fused_heads[key]
+    def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """compute_logits(forward(input_ids, meta)): fp32 logits [T, V] at every token. Where a decode step runs in
+        one C++ call, the final norm and LM head join it: the same bits without two more calls from Python (whose
+        code runs on caches the weight stream has just emptied)."""
+        stack = self._decode_stack(input_ids, meta, head=True)
+        if stack is None:
+            return self.compute_logits(self(input_ids, meta))
+        return self._decode_step(stack, input_ids, meta)[0]
+
+    def decode_greedy(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Each token's greedy draw from forward_logits [T] int64 (the first argmax; -1 for a row with NaN or inf)
+        where the step runs in one C++ call with the head, which then draws too; None (nothing ran) elsewhere."""
+        stack = self._decode_stack(input_ids, meta, head=True)
+        return None if stack is None else self._decode_step(stack, input_ids, meta, greedy=True)[1]
+
+    def _decode_step(self, stack: tuple, input_ids: torch.Tensor, meta: AttentionMetadata, greedy: bool = False):
+        eplb = self._eplb()
+        counts = None if eplb is None else eplb.recorder.step_rows().view(-1)
+        return cpu_ops.decode_step(stack, input_ids, meta.positions, meta.slot_mapping, meta.block_tables,
+                                   meta.context_lens, counts, greedy)
+
+    def _decode_stack(self, input_ids: torch.Tensor, meta: AttentionMetadata, head: bool) -> tuple | None:
+        """cpu_ops.decode_step's `stack` for this step (with the final norm and LM head when head), or None unless
+        every layer (and the head) can run in it. Checking the layers cost ~20 us each per step at batch 1, so
+        they are checked once per input kind and expert placement."""
+        placement = self._placement()
+        if placement is not self._stacks_placement:
+            self._stacks.clear()
+            self._stacks_placement = placement
+        key = (input_ids.device.type, input_ids.dim(), bucket(input_ids.shape[0]), meta.max_query_len == 1,
+               PLAN.invariant)
+        if key not in self._stacks:
+            self._stacks[key] = self._check_decode_stack(input_ids, meta)
+        stacks = self._stacks[key]
+        return None if stacks is None else stacks[head]
+
+    def _check_decode_stack(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple | None:
+        """cpu_ops.decoder_stack for steps like this one without and with the head (None where the head cannot
+        run in it), or None where a layer cannot."""
+        if input_ids.dim() != 1 or input_ids.device.type != "cpu":
+            return None
+        x = torch.empty(input_ids.shape[0], self.config.hidden_size, dtype=self.embed_tokens.weight.dtype)
+        layers = []
+        for i, layer in enumerate(self.layers):
+            weights = layer.fused_weights(x, meta)
+            if weights is None or (layer.mlp.eplb is not None and layer.mlp.moe_index != i):
+                return None  # counts are passed as the recorder's rows, one per layer in order
+            layers.append((*weights, layer.mlp.load_tensors()[1]))
+        head = self._check_fused_head(x)
+        embed = self.embed_tokens.weight
+        return (cpu_ops.decoder_stack(embed, layers),
+                None if head is None else cpu_ops.decoder_stack(embed, layers, head))
 
     def _check_fused_head(self, x: torch.Tensor) -> tuple | None:
         """cpu_ops.decode_head_weights for inputs like x, or None: weights torch multiplies, activations our norm
@@ -256,32 +280,13 @@ class LlamaForCausalLM(nn.Module):
             return None
         return cpu_ops.decode_head_weights(self.norm.weight, self.norm.eps, weight, path[4:], PLAN.invariant, packed)
 
-    def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[tuple] | None:
-        """cpu_ops.decoder_layers' `layers` for this step, or None unless every layer can run fused. Checking the
-        layers cost ~20 us each per step at batch 1, so they are checked once per input kind and expert placement."""
-        placement = self._placement()
-        if placement is not self._fused_placement:
-            self._fused.clear()
-            self._fused_placement = placement
-        key = (x.dtype, x.device.type, x.dim(), bucket(x.shape[0]), meta.max_query_len == 1, PLAN.invariant)
-        if key not in self._fused:
-            self._fused[key] = self._check_fused_layers(x, meta)
-        checked = self._fused[key]
-        return None if checked is None else [(attn, mlp, *block.load_tensors()) for attn, mlp, block in checked]
-
-    def _check_fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[tuple] | None:
-        """[(attention weights, MLP weights, MLP)] per layer (DecoderLayer.fused_weights), or None."""
-        checked = []
-        for layer in self.layers:
-            weights = layer.fused_weights(x, meta)
-            if weights is None:
-                return None
-            checked.append((*weights, layer.mlp))
-        return checked
+    def _eplb(self):
+        """The EPLB state the MoE layers share (engine/eplb.py), or None."""
+        return getattr(self.layers[0].mlp, "eplb", None)
 
     def _placement(self):
         """The EPLB placement the MoE layers route with (replanning replaces it), or None."""
-        eplb = getattr(self.layers[0].mlp, "eplb", None)
+        eplb = self._eplb()
         return None if eplb is None else eplb.placement
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

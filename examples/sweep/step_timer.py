@@ -4,7 +4,8 @@ by wrapping the calls step() already makes (no change to what they do):
 - draft:     engine.spec.prepare() when speculative decoding is on (drafting; 0 otherwise)
 - schedule:  scheduler.schedule() (C++; it also builds the flat input arrays)
 - prepare:   runner.prepare(): arrays -> torch tensors and attention metadata
-- forward:   runner.execute() / runner.logits_all() minus prepare and the sampler (model forward, logits)
+- forward:   runner.execute() / runner.logits_all() minus prepare and the sampler (model forward, logits; a
+             greedy decode step's argmax too where the model draws it in its own call, decode_greedy)
 - sampling:  engine._sampling_batch() (per-row parameter tensors) plus runner.sampler(), or the
              draft verification (engine.spec.verify()) on speculative steps
 - output:    the rest of step(): scheduler.process() (C++ append, stop checks, frees) and the
