@@ -126,8 +126,9 @@ def test_packed_linear_matches_reference_alone_in_a_batch_and_on_any_thread_coun
     torch.testing.assert_close(out, F.linear(kernel_input(x, isa), w.float(), bias.float()), rtol=1e-5, atol=1e-4)
     for r in {0, m // 2, m - 1}:
         assert torch.equal(linear_bf16(x[r:r + 1], wp, bias, isa=isa, packed=True), out[r:r + 1]), r
-    monkeypatch.setattr(platform, "kernel_threads", lambda: 2)
-    assert torch.equal(linear_bf16(x, wp, bias, isa=isa, packed=True), out)
+    for threads in (2, 3):
+        monkeypatch.setattr(platform, "kernel_threads", lambda: threads)
+        assert torch.equal(linear_bf16(x, wp, bias, isa=isa, packed=True), out)
     assert _C.single_panel_stream() == panel_order
     assert ("one panel at a time" in cpu_ops.packed_read_order()) == panel_order
     _C.set_single_panel_stream(not panel_order)

@@ -169,7 +169,7 @@ def test_engine_takes_one_call_per_decode_step_with_unchanged_outputs(tiny_qwen3
     monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: calls.append(1) or real(*a))
     stacked, stacked_load = generate()
     assert len(calls) == 9  # every decode step after the prefill's first token
-    monkeypatch.setattr(LlamaForCausalLM, "_decode_stack", lambda self, input_ids, meta, head: None)
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_stack", lambda self, input_ids, meta, head, placement: None)
     per_layer, load = generate()
     assert stacked == per_layer and torch.equal(stacked_load, load) and stacked_load.sum() > 0
     monkeypatch.setattr(SparseMoeBlock, "fused_weights", lambda self, x, a, norm: None)

@@ -274,9 +274,14 @@ class LLMEngine:
         self._count_step(batch)
         if batch.type == _C.StepType.PREFILL:
             self._write_cached_prefixes(batch)
-        # An unsampled row is a prefill chunk short of its prompt's end: nothing is drawn for it.
-        sampled = batch.sampled.astype(bool)
-        states = [self.seqs[s] for s, drawn in zip(batch.seq_ids, sampled) if drawn]
+        # An unsampled row is a prefill chunk short of its prompt's end: nothing is drawn for it. Every row of a
+        # decode step is sampled (no numpy passes for them: a batch-1 step's Python runs on cold caches).
+        if batch.type == _C.StepType.DECODE:
+            states, firsts = [self.seqs[s] for s in batch.seq_ids], range(batch.num_seqs)
+        else:
+            sampled = batch.sampled.astype(bool)
+            states = [self.seqs[s] for s, drawn in zip(batch.seq_ids, sampled) if drawn]
+            firsts = (sampled.cumsum() - 1).tolist()
         sampling = self._sampling_batch(states)
         if batch.type == _C.StepType.DECODE and self.spec is not None and batch.draft_lens.sum() > 0:
             logits = self.runner.logits_all(batch)
@@ -285,7 +290,7 @@ class LLMEngine:
             out, firsts = self.spec.token_logprobs(batch, logits, tokens, sampling.num_logprobs)
             results = self.scheduler.process_multi(batch, tokens)
         else:
-            out, firsts = self._execute(batch, sampling), (sampled.cumsum() - 1).tolist()
+            out = self._execute(batch, sampling)
             if batch.type == _C.StepType.PREFILL and self.prefix_cache is not None:
                 self.prefix_cache.save_prompts(self, batch)
             results = self.scheduler.process(batch, out.tokens.tolist())

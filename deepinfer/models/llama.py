@@ -208,9 +208,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
-        stack = self._decode_stack(input_ids, meta, head=False)
-        if stack is not None:
-            return self.norm(self._decode_step(stack, input_ids, meta)[0])
+        out = self._decode(input_ids, meta, head=False)
+        if out is not None:
+            return self.norm(out[0])
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, meta)
@@ -220,28 +220,30 @@ class LlamaForCausalLM(nn.Module):
         """compute_logits(forward(input_ids, meta)): fp32 logits [T, V] at every token. Where a decode step runs in
         one C++ call, the final norm and LM head join it: the same bits without two more calls from Python (whose
         code runs on caches the weight stream has just emptied)."""
-        stack = self._decode_stack(input_ids, meta, head=True)
-        if stack is None:
-            return self.compute_logits(self(input_ids, meta))
-        return self._decode_step(stack, input_ids, meta)[0]
+        out = self._decode(input_ids, meta, head=True)
+        return self.compute_logits(self(input_ids, meta)) if out is None else out[0]
 
     def decode_greedy(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Each token's greedy draw from forward_logits [T] int64 (the first argmax; -1 for a row with NaN or inf)
         where the step runs in one C++ call with the head, which then draws too; None (nothing ran) elsewhere."""
-        stack = self._decode_stack(input_ids, meta, head=True)
-        return None if stack is None else self._decode_step(stack, input_ids, meta, greedy=True)[1]
+        out = self._decode(input_ids, meta, head=True, greedy=True)
+        return None if out is None else out[1]
 
-    def _decode_step(self, stack: tuple, input_ids: torch.Tensor, meta: AttentionMetadata, greedy: bool = False):
+    def _decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, head: bool, greedy: bool = False):
+        """cpu_ops.decode_step's (out, tokens) for this step, or None where it cannot run in one call."""
         eplb = self._eplb()
+        stack = self._decode_stack(input_ids, meta, head, None if eplb is None else eplb.placement)
+        if stack is None:
+            return None
         counts = None if eplb is None else eplb.recorder.step_rows().view(-1)
         return cpu_ops.decode_step(stack, input_ids, meta.positions, meta.slot_mapping, meta.block_tables,
                                    meta.context_lens, counts, greedy)
 
-    def _decode_stack(self, input_ids: torch.Tensor, meta: AttentionMetadata, head: bool) -> tuple | None:
+    def _decode_stack(self, input_ids: torch.Tensor, meta: AttentionMetadata, head: bool, placement) -> tuple | None:
         """cpu_ops.decode_step's `stack` for this step (with the final norm and LM head when head), or None unless
         every layer (and the head) can run in it. Checking the layers cost ~20 us each per step at batch 1, so
-        they are checked once per input kind and expert placement."""
-        placement = self._placement()
+        they are checked once per input kind and expert placement (the EPLB placement the MoE layers route with;
+        replanning replaces it)."""
         if placement is not self._stacks_placement:
             self._stacks.clear()
             self._stacks_placement = placement
@@ -283,11 +285,6 @@ class LlamaForCausalLM(nn.Module):
     def _eplb(self):
         """The EPLB state the MoE layers share (engine/eplb.py), or None."""
         return getattr(self.layers[0].mlp, "eplb", None)
-
-    def _placement(self):
-        """The EPLB placement the MoE layers route with (replanning replaces it), or None."""
-        eplb = self._eplb()
-        return None if eplb is None else eplb.placement
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight, packed = self._lm_weight()
