@@ -39,19 +39,19 @@ class ExpertLoadRecorder:
         """[E] the step in progress' counts for layer, a view a fused MoE kernel adds to. The views are made once
         per step: indexing buf per layer cost ~3 us, 16 times in a batch-1 decode step of ~16 ms."""
         if self._rows_pos != self.pos:
-            self._rows, self._rows_pos = self.buf[self.pos].unbind(0), self.pos
+            self._rows, self._rows_pos = self.step_rows().unbind(0), self.pos
         return self._rows[layer]
 
     def end_step(self) -> None:
         """Close the current step; the oldest step leaves the window."""
         self.pos = (self.pos + 1) % (self.window + 1)
-        self.buf[self.pos].zero_()
+        self.step_rows().zero_()
         self.filled = min(self.filled + 1, self.window)
         self.steps += 1
 
     def discard_step(self) -> None:
         """Forget what the step in progress has counted (profiling forwards that served no request)."""
-        self.buf[self.pos].zero_()
+        self.step_rows().zero_()
 
     def window_load(self) -> torch.Tensor:
         """[W_filled, L, E] completed steps, oldest first (the step in progress is not included)."""

@@ -163,8 +163,8 @@ def test_non_finite_logits_fail_one_request_only(qwen, monkeypatch):
 
     target = []
 
-    def poisoned(batch, input_ids, meta):
-        logits = real(batch, input_ids, meta)
+    def poisoned(batch, input_ids, meta, decodes_all):
+        logits = real(batch, input_ids, meta, decodes_all)
         target[:] = target or [min(qwen.engine.seqs)]  # the first request's sequence
         for row, seq_id in enumerate(batch.seq_ids):
             if seq_id == target[0]:

@@ -36,14 +36,15 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, batch) -> torch.Tensor:
         """[S, V] fp32 logits at the last token of each of the S sampled sequences (batch.sampled)."""
-        return self._logits(batch, *self.prepare(batch))
+        input_ids, meta = self.prepare(batch)
+        return self._logits(batch, input_ids, meta, _decodes_all(batch, meta))
 
-    def _logits(self, batch, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        sampled = batch.sampled
-        if _decodes_all(batch, meta):  # every row is a sampled last token
+    def _logits(self, batch, input_ids: torch.Tensor, meta: AttentionMetadata, decodes_all: bool) -> torch.Tensor:
+        """logits(batch) from its prepared inputs; decodes_all: _decodes_all(batch, meta)."""
+        if decodes_all:  # every row is a sampled last token
             return self.model.forward_logits(input_ids, meta)
         hidden = self.model(input_ids, meta)
-        return self.model.compute_logits(hidden[meta.last_token_indices[torch.from_numpy(sampled).bool()]])
+        return self.model.compute_logits(hidden[meta.last_token_indices[torch.from_numpy(batch.sampled).bool()]])
 
     @torch.inference_mode()
     def logits_all(self, batch) -> torch.Tensor:
@@ -56,11 +57,12 @@ class ModelRunner:
         """The step's forward and draw. A decode step whose rows all take the plain argmax draws it in the model's
         own call where the model has one (decode_greedy): no logits pass through Python."""
         input_ids, meta = self.prepare(batch)
-        if self._greedy is not None and _decodes_all(batch, meta) and self.sampler.plain_greedy(sampling):
+        decodes_all = _decodes_all(batch, meta)
+        if self._greedy is not None and decodes_all and self.sampler.plain_greedy(sampling):
             tokens = self._greedy(input_ids, meta)
             if tokens is not None:
                 return SamplerOutput(tokens, None, None, None, None)
-        return self.sampler(self._logits(batch, input_ids, meta), sampling)
+        return self.sampler(self._logits(batch, input_ids, meta, decodes_all), sampling)
 
 
 def _decodes_all(batch, meta: AttentionMetadata) -> bool:
