@@ -5,7 +5,7 @@ import logging
 import torch
 
 from deepinfer.formats.cache_spec import CacheSpec
-from deepinfer.memory import huge_page_zeros
+from deepinfer.memory import huge_page_zeros, prefault
 
 logger = logging.getLogger("deepinfer")
 
@@ -25,6 +25,10 @@ class CacheEngine:
         # On huge pages (deepinfer/memory.py): decode attention streams the cache as it streams the weights.
         self.paged = {n: huge_page_zeros((self.num_blocks, *t.shape), t.dtype) for n, t in spec.paged.items()}
         self.state = {n: huge_page_zeros((num_state_slots, *t.shape), t.dtype) for n, t in spec.state.items()}
+        # Backed at start, as engines that zero their caches with a write are: the first write of each page
+        # would otherwise fault inside a step.
+        for t in [*self.paged.values(), *self.state.values()]:
+            prefault(t)
 
     @property
     def allocated_bytes(self) -> int:
