@@ -3,6 +3,7 @@ import numpy as np
 import torch
 
 from deepinfer import _C
+from deepinfer.layers import cpu_ops
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 
@@ -34,6 +35,7 @@ class ModelRunner:
         return torch.from_numpy(batch.input_ids), meta
 
     @torch.inference_mode()
+    @cpu_ops.scratch_kept()
     def logits(self, batch) -> torch.Tensor:
         """[S, V] fp32 logits at the last token of each of the S sampled sequences (batch.sampled)."""
         input_ids, meta = self.prepare(batch)
@@ -47,12 +49,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[meta.last_token_indices[torch.from_numpy(batch.sampled).bool()]])
 
     @torch.inference_mode()
+    @cpu_ops.scratch_kept()
     def logits_all(self, batch) -> torch.Tensor:
         """[T, V] fp32 logits at every query token (verification needs each draft's position)."""
         input_ids, meta = self.prepare(batch)
         return self.model.forward_logits(input_ids, meta)
 
     @torch.inference_mode()
+    @cpu_ops.scratch_kept()
     def execute(self, batch, sampling: SamplingBatch) -> SamplerOutput:
         """The step's forward and draw. A decode step whose rows all take the plain argmax draws it in the model's
         own call where the model has one (decode_greedy): no logits pass through Python."""

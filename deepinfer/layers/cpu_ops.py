@@ -1,5 +1,7 @@
 """Python boundary of the C++ CPU kernels in csrc/cpu: checks shapes and dtypes before handing raw
 pointers over, so bad input raises here instead of corrupting memory."""
+import contextlib
+
 import torch
 
 from deepinfer import _C, platform
@@ -85,6 +87,17 @@ def packed_read_order() -> str | None:
     order = "one panel at a time (2 MiB pages)" if _C.single_panel_stream() \
         else "panels in parallel, software-prefetched (4 KiB pages, or a CPU without AVX-512)"
     return f"packed weights ({PACKED_ISA}), up to 4 rows: {order}"
+
+
+@contextlib.contextmanager
+def scratch_kept():
+    """Inside the block (or a function it decorates) the kernels' scratch buffers keep their pages whatever their
+    size (csrc/cpu/scratch.h): a prefill step's layers reuse one set instead of faulting a fresh one in each."""
+    _C.keep_scratch(True)
+    try:
+        yield
+    finally:
+        _C.keep_scratch(False)
 
 
 def row_major(w: torch.Tensor, packed: bool) -> torch.Tensor:
