@@ -5,11 +5,14 @@ reuses a stale measurement. Also how the engine's threads are shared between our
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 
 import torch
 
 from deepinfer import _C
+
+logger = logging.getLogger("deepinfer")
 
 
 @functools.cache
@@ -58,6 +61,10 @@ def set_threads(n: int) -> None:
     global _kernel_threads
     _kernel_threads = n
     torch.set_num_threads(1)
+    if n > 1 and "OMP_WAIT_POLICY" not in os.environ:  # deepinfer/__init__.py sets it unless torch came first
+        logger.info("torch was imported before deepinfer with OMP_WAIT_POLICY unset: its OpenMP workers spin on the "
+                    "cores our kernels need after each prefill op (a 64-token prefill at two threads ran ~1.6x "
+                    "slower); set OMP_WAIT_POLICY=PASSIVE, or import deepinfer first")
 
 
 @contextlib.contextmanager

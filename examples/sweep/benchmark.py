@@ -145,6 +145,8 @@ def main(argv=None) -> int:
         check_options(p.engine, opts)
         if p.batch < 1 or p.steps < 1 or p.warmup < 0 or p.dp < 1:
             raise PointError("need batch >= 1, steps >= 1, warmup >= 0, dp >= 1")
+        if p.engine == "deepinfer":
+            import deepinfer  # noqa: F401  before the maker loads torch, as a script's `from deepinfer import LLM` is
         p.model_dir = resolve_model(p.model)
         roofline = json.load(open(p.roofline)) if p.roofline and os.path.exists(p.roofline) else None
         t = time.perf_counter()
