@@ -4,6 +4,7 @@ scratch kept through a step, not past it."""
 import gc
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -90,3 +91,5 @@ def test_kernel_scratch_is_kept_inside_a_scope_and_freed_after():
         assert _C.scratch_bytes() >= 2 * big
     assert _C.scratch_bytes() < big
     assert torch.equal(first, ref) and torch.equal(again, ref)
+    with pytest.raises(ValueError, match="no keep scope is open"):
+        _C.keep_scratch(False)

@@ -110,9 +110,14 @@ void bind_cpu_kernels(py::module_& m) {
   m.attr("PAIR_BLOCK") = PAIR_BLOCK;
   m.def("single_panel_stream", &single_panel_stream,
         "Whether packed GEMMs of up to 4 rows read one weight panel at a time (see set_single_panel_stream)");
-  m.def("keep_scratch", &keep_scratch, py::arg("on"),
-        "Opens (on) or closes a scope in which the kernels' scratch buffers keep their pages whatever their size "
-        "(cpu/scratch.h); closing the last frees this thread's large ones");
+  m.def(
+      "keep_scratch",
+      [](bool on) {
+        if (!keep_scratch(on)) throw py::value_error("keep_scratch(False): no keep scope is open");
+      },
+      py::arg("on"),
+      "Opens (on) or closes a scope in which the kernels' scratch buffers keep their pages whatever their size "
+      "(cpu/scratch.h); closing the last frees this thread's large ones");
   m.def("scratch_bytes", &scratch_bytes, "Bytes the calling thread's kernel scratch buffers hold");
   m.def("set_single_panel_stream", &set_single_panel_stream, py::arg("on"),
         "Packed GEMMs of up to 4 rows read one weight panel at a time (on) or several in parallel; returns the "

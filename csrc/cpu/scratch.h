@@ -84,14 +84,20 @@ inline size_t scratch_bytes() {
   return n;
 }
 
-// Opens (on) or closes a keep scope. Closing the last trims the calling thread's buffers; other threads trim
-// theirs at their next use.
-inline void keep_scratch(bool on) {
+// Opens (on) or closes a keep scope; false for a close with none open (nothing changes). Closing the last trims
+// the calling thread's buffers; other threads trim theirs at their next use.
+inline bool keep_scratch(bool on) {
+  auto& open = scratch_keepers();
   if (on) {
-    scratch_keepers().fetch_add(1);
-  } else if (scratch_keepers().fetch_sub(1) == 1) {
-    for (auto& b : scratch_buffers()) trim_scratch(b);
+    open.fetch_add(1);
+    return true;
   }
+  int n = open.load();
+  while (n > 0 && !open.compare_exchange_weak(n, n - 1)) {
+  }
+  if (n == 1)
+    for (auto& b : scratch_buffers()) trim_scratch(b);
+  return n > 0;
 }
 
 }  // namespace deepinfer
