@@ -26,7 +26,8 @@ void dot8(const float* q, const float* keys, int64_t D, int64_t ld, float scale,
     for (int i = 0; i < 8; ++i) acc[i] = V::fma(qv, V::load(keys + i * ld + d), acc[i]);
   }
   __m256 a[8];
-  for (int i = 0; i < 8; ++i) a[i] = V::fold8(acc[i]);
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) a[i] = V::fold8(acc[i]);  // unrolled: acc stays in registers (see weighted_sum)
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
@@ -82,7 +83,11 @@ void weighted_sum(const float* p, int64_t n, const float* values, int64_t D, int
       for (int r = 0; r < DR; ++r) acc[h][r] = V::fma(w, v[r], acc[h][r]);
     }
   }
+  // Unrolled, so every access to acc has constant indices and the compiler keeps it in registers (rolled, all
+  // HP * DR accumulators were stored to the stack at every j, which made the loop store-bound).
+#pragma GCC unroll 16
   for (int h = 0; h < HP; ++h)
+#pragma GCC unroll 16
     for (int r = 0; r < DR; ++r) V::store(out + h * D + d0 + r * V::LANES, acc[h][r]);
 }
 

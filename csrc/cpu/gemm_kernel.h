@@ -138,20 +138,29 @@ template <class V>
 void wide_tile(const float* xt, const float* panel, int64_t K, float (*acc_out)[GEMM_GROUP], const char* next) {
   constexpr int G = GEMM_GROUP / V::LANES, WN = V::WIDE_N;
   constexpr int LINES = (16 * WN * 2 + 63) / 64;  // lines of the next rows per 16 k
+  // Every loop over acc unrolled, so all its accesses have constant indices and it stays in registers: with any
+  // of them rolled, AVX2 stored all 12 accumulators at every k (31 against 87 GFLOP/s at 64 rows, K 1024, Zen 3).
   typename V::reg acc[WN][G];
+#pragma GCC unroll 16
   for (int j = 0; j < WN; ++j)
+#pragma GCC unroll 16
     for (int g = 0; g < G; ++g) acc[j][g] = V::zero();
   for (int64_t k = 0; k < K; ++k) {
     if (next && (k & 15) == 0)
       for (int i = 0; i < LINES; ++i) _mm_prefetch(next + k * WN * 2 + 64 * i, _MM_HINT_T0);
     typename V::reg xv[G];
+#pragma GCC unroll 16
     for (int g = 0; g < G; ++g) xv[g] = V::load(xt + k * GEMM_GROUP + V::LANES * g);
+#pragma GCC unroll 16
     for (int j = 0; j < WN; ++j) {
       typename V::reg b = V::broadcast(panel + j * K + k);
+#pragma GCC unroll 16
       for (int g = 0; g < G; ++g) acc[j][g] = V::fma(xv[g], b, acc[j][g]);
     }
   }
+#pragma GCC unroll 16
   for (int j = 0; j < WN; ++j)
+#pragma GCC unroll 16
     for (int g = 0; g < G; ++g) V::store(acc_out[j] + V::LANES * g, acc[j][g]);
 }
 
