@@ -42,13 +42,15 @@ COLD_BYTES = 128 << 20
 MAX_COLD_COPIES = 64
 MIN_TIMED_S = 5e-4  # tiny GEMMs are looped to at least this long per timing
 PRUNE = 3.0
-# The panel form takes the outer products only from 10 rows (WIDE_MIN_ROWS in csrc/cpu/gemm_bf16.cpp), which
-# the bucket of 8 holds; below it the panel form is the tiles, and timing both would choose by noise alone.
-PANELS_MIN_BUCKET = 8
-# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (5: packed
-# weights have keys of their own; 4: "cpu-avx2" and "cpu-avx512" no longer take the panel form, now a path of its
-# own; 3: the widest ISA within ISA_MARGIN; 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
-PLAN_FORMAT = 5
+# The panel form takes the outer products only from 10 rows (WIDE_MIN_ROWS in csrc/cpu/gemm_bf16.cpp). The bucket
+# of 8 is timed at 8 rows, where the panel form is the tiles: timing the two compares a kernel with itself, and a
+# pick by noise would run rows 10-15 as zero-padded 16-row groups. So panels are timed from the bucket of 16.
+PANELS_MIN_BUCKET = 16
+# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (6: panel
+# forms timed from the bucket of 16; 5: packed weights have keys of their own; 4: "cpu-avx2" and "cpu-avx512" no
+# longer take the panel form, now a path of its own; 3: the widest ISA within ISA_MARGIN; 2: experts choose an ISA
+# per row bucket; 1 kept one ISA for all row counts).
+PLAN_FORMAT = 6
 
 
 def bucket(m: int) -> int:
