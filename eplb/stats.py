@@ -25,6 +25,9 @@ class ExpertLoadRecorder:
         self.filled = 0       # completed steps held (<= window)
         self.steps = 0        # completed steps ever recorded
         self._rows, self._rows_pos = (), -1  # buf[pos] by layer, as views (step_counts)
+        # buf[pos] and its flat form by pos, as views made once: indexing buf costs ~10 us a step on the caches a
+        # batch-1 decode step's weight stream has just emptied.
+        self._slots, self._flat = self.buf.unbind(0), self.buf.view(self.window + 1, -1).unbind(0)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Add the routing of one forward: topk_ids [T, k] logical expert ids in [0, E) for layer."""
@@ -33,7 +36,11 @@ class ExpertLoadRecorder:
 
     def step_rows(self) -> torch.Tensor:
         """[L, E] the step in progress' counts of every layer (a view; row l is step_counts(l))."""
-        return self.buf[self.pos]
+        return self._slots[self.pos]
+
+    def step_flat(self) -> torch.Tensor:
+        """[L * E] step_rows() layer after layer (a view), for a kernel that counts every layer in one call."""
+        return self._flat[self.pos]
 
     def step_counts(self, layer: int) -> torch.Tensor:
         """[E] the step in progress' counts for layer, a view a fused MoE kernel adds to. The views are made once

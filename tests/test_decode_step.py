@@ -3,10 +3,10 @@ per-layer fused halves it chains: the same bits, KV stores and expert counts, an
 the row; with the final norm and LM head the bits of the unfused logits, and with greedy their argmax."""
 import pytest
 import torch
-from test_attention_block import HIDDEN, H, D, inputs
+from test_attention_block import BLOCKS, BS, HIDDEN, H, D, inputs
 from test_moe_block import make_block
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, SamplingParams, _C
 from deepinfer.layers import cpu_ops, gemm_plan
 from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.models.llama import LlamaForCausalLM
@@ -49,9 +49,9 @@ def chained(halves, embed, ids, meta, counts):
     return x
 
 
-def run(stack, ids, meta, counts=None, greedy=False):
+def run(stack, ids, meta, counts=None):
     return cpu_ops.decode_step(stack, ids, meta["positions"], meta["slot_mapping"], meta["block_tables"],
-                               meta["context_lens"], counts, greedy)
+                               meta["context_lens"], counts)
 
 
 @pytest.mark.parametrize("isa", [cpu_ops.EXACT_ISA, next(iter(cpu_ops.GEMM_ISAS))])
@@ -61,40 +61,96 @@ def test_one_call_is_bit_identical_to_the_halves_it_chains(isa):
     ref_counts, counts = torch.zeros(LAYERS, EXPERTS, dtype=torch.int64), torch.zeros(LAYERS * EXPERTS, dtype=torch.int64)
     ref = chained(ref_halves, embed, ids, meta, ref_counts)
     ids_before = ids.clone()
-    out, tokens = run(stack, ids, meta, counts)
-    assert tokens is None and torch.equal(out, ref) and torch.equal(ids, ids_before)  # the input is not written
+    out = run(stack, ids, meta, counts)
+    assert torch.equal(out, ref) and torch.equal(ids, ids_before)  # the input is not written
     for (w_ref, *_), (w, *_) in zip(ref_caches, caches):
         assert torch.equal(w["k_cache"], w_ref["k_cache"]) and torch.equal(w["v_cache"], w_ref["v_cache"])
     assert torch.equal(counts.view(LAYERS, EXPERTS), ref_counts)
     assert (ref_counts.sum(1) == ids.shape[0] * 2).all()  # top-2 counted per token in every layer
 
 
-@pytest.mark.parametrize("packed", [False] + ([True] if cpu_ops.PACKED_ISA else []))
-def test_head_gives_the_bits_of_the_norm_and_lm_head_and_greedy_their_argmax(packed):
-    """decode_step with a head: fp32 logits [T, vocab] equal to rms_norm then linear_bf16 (one rounding to bf16)
-    over the layers' output, widened; the LM head packed in bf16 pairs where this CPU has a packed kernel. With
-    greedy, tokens are greedy_tokens of those logits, -1 for a row made non-finite by its embedding."""
+def lm_head(packed):
+    """(decode_head_weights, norm_w, lm weight, isa): an 80-token LM head, packed in bf16 pairs when packed. The
+    caller keeps norm_w and lm alive while the head is used."""
     isa = cpu_ops.PACKED_ISA if packed else cpu_ops.EXACT_ISA
     g = torch.Generator().manual_seed(5)
     norm_w = (1 + 0.1 * torch.randn(HIDDEN, generator=g)).bfloat16()
     lm = (0.2 * torch.randn(80, HIDDEN, generator=g)).bfloat16()
     if packed:
         cpu_ops.pack_in_place(lm)
-    head = cpu_ops.decode_head_weights(norm_w, 1e-6, lm, isa, packed=packed)
+    return cpu_ops.decode_head_weights(norm_w, 1e-6, lm, isa, packed=packed), norm_w, lm, isa
+
+
+PACKED = [False] + ([True] if cpu_ops.PACKED_ISA else [])
+
+
+@pytest.mark.parametrize("packed", PACKED)
+def test_head_gives_the_bits_of_the_norm_and_lm_head(packed):
+    """decode_step with a head: fp32 logits [T, vocab] equal to rms_norm then linear_bf16 (one rounding to bf16)
+    over the layers' output, widened; the LM head packed in bf16 pairs where this CPU has a packed kernel."""
+    head, norm_w, lm, isa = lm_head(packed)
     ref_stack, _, _ref_held, ids, meta = make_stack(isa)
     stack, _, _held, _, _ = make_stack(isa, head)
-    hidden, _ = run(ref_stack, ids, meta)
+    hidden = run(ref_stack, ids, meta)
     ref = cpu_ops.linear_bf16(cpu_ops.rms_norm(hidden, norm_w, 1e-6), lm, isa=isa, packed=packed).float()
-    logits, tokens = run(stack, ids, meta)
+    logits = run(stack, ids, meta)
     assert logits.dtype == torch.float32 and logits.shape == (ids.shape[0], 80) and torch.equal(logits, ref)
-    assert tokens is None and torch.equal(logits, logits.bfloat16().float()) and logits.std() > 0.1
+    assert torch.equal(logits, logits.bfloat16().float()) and logits.std() > 0.1
 
-    stack2, _, _held2, _, _ = make_stack(isa, head)  # fresh caches: the step above stored its KV
+
+def scheduler_with(lens: list[int]):
+    """A real C++ Scheduler over BS-token blocks of a BLOCKS-block pool (make_stack's caches) holding waiting
+    sequences of len(lens) - 1 prompt tokens each."""
+    c = _C.SchedulerConfig()
+    c.max_num_seqs, c.max_model_len, c.max_num_batched_tokens = len(lens), BS * BLOCKS, BS * BLOCKS
+    c.block_size, c.num_blocks, c.num_state_slots, c.eos_token_ids = BS, BLOCKS, len(lens), []
+    scheduler, g = _C.Scheduler(c), torch.Generator().manual_seed(3)
+    for seq_id, n in enumerate(lens):
+        prompt = torch.randint(0, VOCAB, (n - 1,), generator=g).tolist()
+        scheduler.add_sequence(seq_id, prompt, _C.SamplingLimits(64, 0, True, []))
+    return scheduler
+
+
+def scheduled_decode(lens: list[int]):
+    """(scheduler, a decode ScheduledBatch of its sequences at context lengths lens): scheduler_with(lens) after
+    a prefill step that gave each sequence one token."""
+    scheduler, g = scheduler_with(lens), torch.Generator().manual_seed(4)
+    prefill = scheduler.schedule()
+    scheduler.process(prefill, torch.randint(0, VOCAB, (len(lens),), generator=g).tolist())
+    return scheduler, scheduler.schedule()
+
+
+def batch_tensors(batch) -> tuple:
+    """A scheduled decode batch's (token ids, decode_step metadata) as tensors, as ModelRunner.prepare makes them."""
+    return torch.from_numpy(batch.input_ids), dict(
+        positions=torch.from_numpy(batch.positions), slot_mapping=torch.from_numpy(batch.slot_mapping),
+        block_tables=torch.from_numpy(batch.block_tables).long(), context_lens=torch.from_numpy(batch.context_lens).long())
+
+
+@pytest.mark.parametrize("packed", PACKED)
+def test_greedy_over_a_scheduled_batch_is_the_argmax_of_the_same_step(packed):
+    """decode_greedy reads a scheduled decode batch's own arrays: its tokens are greedy_tokens of decode_step's
+    logits over the same batch as tensors, with the same KV stores and expert counts; -1 for a row made non-finite
+    by its embedding, the other rows unchanged."""
+    head, _norm_w, _lm, isa = lm_head(packed)  # the tensors behind the head's pointers, kept alive
+    _scheduler, batch = scheduled_decode([2, 4, 5, 9, 12])
+    ids, meta = batch_tensors(batch)
+    assert batch.type == _C.StepType.DECODE and torch.equal(meta["context_lens"], torch.tensor([2, 4, 5, 9, 12]))
+    ref_stack, _, (ref_caches, _ref_embed), _, _ = make_stack(isa, head)
+    stack, _, (caches, _embed), _, _ = make_stack(isa, head)
+    ref_counts, counts = (torch.zeros(LAYERS * EXPERTS, dtype=torch.int64) for _ in range(2))
+    logits = run(ref_stack, ids, meta, ref_counts)
+    tokens = cpu_ops.decode_greedy(stack, batch, counts)
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, cpu_ops.greedy_tokens(logits)) and (tokens >= 0).all()
+    assert torch.equal(counts, ref_counts) and counts.sum() == LAYERS * 2 * ids.shape[0]
+    for (w_ref, *_), (w, *_) in zip(ref_caches, caches):
+        assert torch.equal(w["k_cache"], w_ref["k_cache"]) and torch.equal(w["v_cache"], w_ref["v_cache"])
+
     bad_stack, _, (_bad_caches, bad_embed), _, _ = make_stack(isa, head)
     bad_embed[ids[2]] = float("inf")  # row 2's hidden state, its norm and its logits turn NaN
-    logits2, tokens2 = run(stack2, ids, meta, greedy=True)
-    assert torch.equal(logits2, ref) and torch.equal(tokens2, cpu_ops.greedy_tokens(ref)) and (tokens2 >= 0).all()
-    bad_logits, bad_tokens = run(bad_stack, ids, meta, greedy=True)
+    bad_ref, _, (_bad_ref_caches, bad_ref_embed), _, _ = make_stack(isa, head)
+    bad_ref_embed[ids[2]] = float("inf")
+    bad_logits, bad_tokens = run(bad_ref, ids, meta), cpu_ops.decode_greedy(bad_stack, batch)
     assert not bad_logits[2].isfinite().all() and bad_tokens[2] == -1
     rows = [t for t in range(ids.shape[0]) if ids[t] != ids[2]]
     assert rows and torch.equal(bad_tokens[rows], bad_logits[rows].argmax(-1))
@@ -108,8 +164,15 @@ def test_stack_checks_and_errors_name_the_layer_or_row():
         run(stack, torch.tensor([3, VOCAB, 4, 5, 6]), meta)
     with pytest.raises(ValueError, match="counts"):
         run(stack, ids, meta, torch.zeros(LAYERS * EXPERTS - 1, dtype=torch.int64))
+    _scheduler, batch = scheduled_decode([2, 4, 5, 9, 12])
     with pytest.raises(ValueError, match="greedy tokens need a stack with a head"):
-        run(stack, ids, meta, greedy=True)
+        cpu_ops.decode_greedy(stack, batch)
+    head, *_head_tensors = lm_head(False)
+    head_stack, _, _head_held, _, _ = make_stack(cpu_ops.EXACT_ISA, head)
+    with pytest.raises(ValueError, match="counts"):
+        cpu_ops.decode_greedy(head_stack, batch, torch.zeros(LAYERS * EXPERTS + 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="a decode step of one token per sequence"):
+        cpu_ops.decode_greedy(head_stack, scheduler_with([3, 5]).schedule())  # a prefill
     embed = torch.zeros(VOCAB, HIDDEN, dtype=torch.bfloat16)
     bad = [(attn, moe, None) for attn, moe in halves]
     bad[2] = (*bad[2][:2], torch.arange(EXPERTS) + EXPERTS)  # maps every expert past the physical slots
@@ -128,15 +191,18 @@ def test_stack_checks_and_errors_name_the_layer_or_row():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_engine_decode_steps_take_the_head_and_draw_greedy_tokens_in_the_call(tmp_path, monkeypatch, tied):
-    """Decode steps run decode_step with the head (an untied, packed LM head, and one tied to the embeddings):
-    with logprobs the engine samples its logits, without them the call draws the greedy tokens itself. Tokens and
-    logprobs equal those of the head-less call followed by compute_logits and the sampler."""
+    """Decode steps run in one call with the head (an untied, packed LM head, and one tied to the embeddings):
+    with logprobs decode_step, whose logits the engine samples, without them decode_greedy on the scheduled batch,
+    which draws the greedy tokens itself. Tokens and logprobs equal those of the head-less call followed by
+    compute_logits and the sampler."""
     path = make_qwen3_moe(str(tmp_path / "m"), tie_word_embeddings=tied)
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     prompts = [[5, 6, 7, 8, 9], [12, 13]]
-    calls, real = [], cpu_ops.decode_step
+    calls, real, real_greedy = [], cpu_ops.decode_step, cpu_ops.decode_greedy
     monkeypatch.setattr(cpu_ops, "decode_step",
-                        lambda stack, *a: calls.append((stack[2] is not None, a[-1])) or real(stack, *a))
+                        lambda stack, *a: calls.append((stack[2] is not None, False)) or real(stack, *a))
+    monkeypatch.setattr(cpu_ops, "decode_greedy",
+                        lambda stack, *a: calls.append((stack[2] is not None, True)) or real_greedy(stack, *a))
 
     def generate(logprobs):
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs)
@@ -169,7 +235,7 @@ def test_engine_takes_one_call_per_decode_step_with_unchanged_outputs(tiny_qwen3
     monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: calls.append(1) or real(*a))
     stacked, stacked_load = generate()
     assert len(calls) == 9  # every decode step after the prefill's first token
-    monkeypatch.setattr(LlamaForCausalLM, "_decode_stack", lambda self, input_ids, meta, head, placement: None)
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_stack", lambda self, rows, head: None)
     per_layer, load = generate()
     assert stacked == per_layer and torch.equal(stacked_load, load) and stacked_load.sum() > 0
     monkeypatch.setattr(SparseMoeBlock, "fused_weights", lambda self, x, a, norm: None)
@@ -178,18 +244,19 @@ def test_engine_takes_one_call_per_decode_step_with_unchanged_outputs(tiny_qwen3
 
 
 def test_layers_are_checked_once_per_input_kind_until_weights_change(tiny_qwen3_moe, monkeypatch):
-    """The model checks its layers once per (rows bucket, decode or not) and expert placement, not every step;
-    weights_changed() and a new EPLB placement make it check again, so a layer that can no longer run fused
-    leaves decode_step."""
+    """The model checks its layers once per decode rows bucket and expert placement, not every step (and never for
+    a prefill); weights_changed() and a new EPLB placement make it check again, so a layer that can no longer run
+    fused leaves the one-call decode step."""
     from eplb.placement import ExpertPlacement
 
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20)
     checks, calls = [], []
-    check, real = LlamaForCausalLM._check_decode_stack, cpu_ops.decode_step
+    check, real, real_greedy = LlamaForCausalLM._check_decode_stack, cpu_ops.decode_step, cpu_ops.decode_greedy
     monkeypatch.setattr(LlamaForCausalLM, "_check_decode_stack",
-                        lambda self, ids, meta: checks.append(meta.max_query_len) or check(self, ids, meta))
+                        lambda self, rows: checks.append(rows) or check(self, rows))
     monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_ops, "decode_greedy", lambda *a: calls.append(1) or real_greedy(*a))
 
     def generate():
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -197,12 +264,12 @@ def test_layers_are_checked_once_per_input_kind_until_weights_change(tiny_qwen3_
         return out, len(checks), len(calls)
 
     tokens, n_checks, n_calls = generate()
-    assert (n_checks, n_calls) == (2, 5) and checks == [3, 1]  # the prefill's kind, then one decode kind
-    assert generate() == (tokens, 2, 10)
+    assert (n_checks, n_calls) == (1, 5) and checks == [1]  # one decode row bucket
+    assert generate() == (tokens, 1, 10)
     eplb = llm.engine.eplb
     eplb.placement = ExpertPlacement(eplb.placement.phy2log, eplb.placement.num_gpus, eplb.placement.num_experts)
-    assert generate() == (tokens, 4, 15)
+    assert generate() == (tokens, 2, 15)
     monkeypatch.setattr(SparseMoeBlock, "fused_weights", lambda self, x, a, norm: None)
-    assert generate() == (tokens, 4, 20)  # still the checked layers: nothing said the weights changed
+    assert generate() == (tokens, 2, 20)  # still the checked layers: nothing said the weights changed
     llm.engine.model.weights_changed()
-    assert generate() == (tokens, 6, 20)  # checked again: the MoE half cannot run fused, so no decode_step
+    assert generate() == (tokens, 3, 20)  # checked again: the MoE half cannot run fused, so no one-call step

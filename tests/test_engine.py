@@ -177,16 +177,16 @@ def test_non_finite_logits_fail_one_request_only(qwen, monkeypatch):
 
 
 def test_non_finite_decode_in_one_call_fails_one_request_only(tiny_qwen3_moe, monkeypatch):
-    """A bf16 decode step that draws its greedy tokens inside its C++ call (decode_step): a sequence whose cached
+    """A bf16 decode step that draws its greedy tokens inside its C++ call (decode_greedy): a sequence whose cached
     keys turned NaN gets token -1 there and ends with "error"; the other sequence of the batch runs to its end."""
     from deepinfer.layers import cpu_ops, gemm_plan
     from tests.conftest import our_kernel_path
 
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, block_size=4)
-    engine, drawn = llm.engine, []
-    real = cpu_ops.decode_step
-    monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: drawn.append(a[-1]) or real(*a))
+    engine, drawn, real = llm.engine, [], cpu_ops.decode_greedy
+    monkeypatch.setattr(cpu_ops, "decode_greedy", lambda *a: drawn.append(1) or real(*a))
+    monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: pytest.fail("a greedy decode step left decode_greedy"))
     for i, ids in enumerate(([5, 6, 7], [8, 9, 10])):
         engine.add_request(f"r{i}", ids, GREEDY)
     engine.step()  # the prefill
@@ -196,7 +196,7 @@ def test_non_finite_decode_in_one_call_fails_one_request_only(tiny_qwen3_moe, mo
     finished = {}
     while engine.has_unfinished():
         finished.update({o.request_id: o.outputs[0] for o in engine.step()[0]})
-    assert drawn and all(drawn)  # every decode step drew in the call
+    assert len(drawn) == 9  # every decode step drew in the call
     assert finished["r0"].finish_reason == "error" and "non-finite" in finished["r0"].error
     assert finished["r1"].finish_reason == "length" and len(finished["r1"].token_ids) == 10
 

@@ -1,5 +1,6 @@
 // CPU kernels where torch is slow, registered into deepinfer._C. They take raw data pointers
 // (validated by deepinfer/layers/cpu_ops.py, the only caller) and run with the GIL released.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -20,6 +21,7 @@
 #include "cpu/norm_rope.h"
 #include "cpu/sampling.h"
 #include "cpu/scratch.h"
+#include "engine/scheduler.h"
 
 namespace py = pybind11;
 using namespace deepinfer;
@@ -70,6 +72,19 @@ void raise_attention_status(AttentionBlockStatus status, const AttentionBlock& b
 
 [[noreturn]] void raise_bad_expert(const MoeBlock& b, const std::string& where) {
   throw py::value_error(where + ": log2phy maps an expert outside [0, " + std::to_string(b.num_physical) + ")");
+}
+
+// decode_step's failures as Python errors (nothing raised for a step that ran).
+void raise_decode_status(const DecodeStatus& status, const DecoderStack& stack, const int64_t* ids, int64_t max_blocks) {
+  if (status.ok()) return;
+  if (status.bad_row >= 0)
+    throw py::index_error("decode_step: input id " + std::to_string(ids[status.bad_row]) + " of row " +
+                          std::to_string(status.bad_row) + " is outside the embedding's " +
+                          std::to_string(stack.embed_rows) + " rows");
+  const DecoderLayer& layer = stack.layers[status.layer];
+  const std::string where = "decode_step: layer " + std::to_string(status.layer);
+  raise_attention_status(status.attention, *layer.attention, max_blocks, where);
+  raise_bad_expert(*layer.moe, where);
 }
 
 py::dict features_dict() {
@@ -251,8 +266,8 @@ void bind_cpu_kernels(py::module_& m) {
            py::keep_alive<1, 4>(), py::keep_alive<1, 5>());  // the layers point at these halves
   m.def(
       "decode_step",
-      [](const DecoderStack& stack, uintptr_t ids, uintptr_t counts, uintptr_t out, uintptr_t logits, uintptr_t tokens,
-         int64_t T, bool bf16, uintptr_t positions, uintptr_t slots, uintptr_t block_tables, int64_t max_blocks,
+      [](const DecoderStack& stack, uintptr_t ids, uintptr_t counts, uintptr_t out, uintptr_t logits, int64_t T,
+         bool bf16, uintptr_t positions, uintptr_t slots, uintptr_t block_tables, int64_t max_blocks,
          uintptr_t context_lens, int threads) {
         const auto* id = reinterpret_cast<const int64_t*>(ids);
         DecodeStatus status;
@@ -260,21 +275,41 @@ void bind_cpu_kernels(py::module_& m) {
           py::gil_scoped_release release;
           status = decode_step(stack, id, reinterpret_cast<int64_t*>(counts),
                                decode_batch(T, positions, slots, block_tables, max_blocks, context_lens), bf16, threads,
-                               reinterpret_cast<void*>(out), reinterpret_cast<float*>(logits),
-                               reinterpret_cast<int64_t*>(tokens));
+                               reinterpret_cast<void*>(out), reinterpret_cast<float*>(logits));
         }
-        if (status.ok()) return;
-        if (status.bad_row >= 0)
-          throw py::index_error("decode_step: input id " + std::to_string(id[status.bad_row]) + " of row " +
-                                std::to_string(status.bad_row) + " is outside the embedding's " +
-                                std::to_string(stack.embed_rows) + " rows");
-        const DecoderLayer& layer = stack.layers[status.layer];
-        const std::string where = "decode_step: layer " + std::to_string(status.layer);
-        raise_attention_status(status.attention, *layer.attention, max_blocks, where);
-        raise_bad_expert(*layer.moe, where);
+        raise_decode_status(status, stack, id, max_blocks);
       },
       "out [T,hidden] = the stack's layers (attention_block, moe_block) over embed[ids] at decode, in one call; with "
-      "its head also logits [T,vocab] fp32 = lm_head(norm(out)), and with tokens (else 0) their greedy tokens [T]");
+      "its head also logits [T,vocab] fp32 = lm_head(norm(out))");
+  m.def(
+      "decode_greedy",
+      [](const DecoderStack& stack, const ScheduledBatch& batch, uintptr_t counts, bool bf16, int threads) {
+        const auto T = static_cast<int64_t>(batch.seq_ids.size());
+        if (batch.type != StepType::DECODE || static_cast<int64_t>(batch.input_ids.size()) != T)
+          throw py::value_error("decode_greedy: the batch must be a decode step of one token per sequence");
+        if (!stack.head) throw py::value_error("decode_greedy: greedy tokens need a stack with a head");
+        // The kernels read int64 tables and lengths; the scheduler keeps them as int32.
+        const std::vector<int64_t> lens(batch.context_lens.begin(), batch.context_lens.end());
+        const std::vector<int64_t> tables(batch.block_tables.begin(), batch.block_tables.end());
+        const DecodeBatch inputs{T, batch.positions.data(), batch.slot_mapping.data(), tables.data(), batch.max_blocks,
+                                 lens.data()};
+        py::array_t<int64_t> tokens(T);
+        int64_t* drawn = tokens.mutable_data();
+        DecodeStatus status;
+        {
+          py::gil_scoped_release release;
+          ScratchKeep keep;  // the step's layers reuse one set of buffers (cpu_ops.scratch_kept in Python)
+          const int64_t row_bytes = stack.layers.at(0).attention->hidden * (bf16 ? 2 : 4);
+          Scratch<char> out(ScratchUse::DECODE_OUT, T * row_bytes);
+          Scratch<float> logits(ScratchUse::DECODE_LOGITS, T * stack.head->vocab);
+          status = decode_step(stack, batch.input_ids.data(), reinterpret_cast<int64_t*>(counts), inputs, bf16,
+                               threads, out.data(), logits.data(), drawn);
+        }
+        raise_decode_status(status, stack, batch.input_ids.data(), batch.max_blocks);
+        return tokens;
+      },
+      "tokens [T] int64: decode_step over a scheduled decode batch's own arrays with the stack's head, each row's "
+      "first argmax of its logits (-1 for a row with NaN or inf)");
   m.def(
       "greedy_tokens",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {

@@ -33,7 +33,7 @@ using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 // thread (a caller's buffer while a kernel it calls takes its own) need different entries.
 enum class ScratchUse {
   MOE_ROWS, MOE_OUT, EXPERT_ACT, GEMM_X, GEMM_X_TILES, AMX_TILES, LINEAR_OUT, LAYER_INPUT, LAYER_ATTENTION, ATTENTION_BLOCK,
-  DECODE_ATTENTION, COUNT
+  DECODE_ATTENTION, DECODE_OUT, DECODE_LOGITS, COUNT
 };
 
 // Open keep scopes (keep_scratch): while one is, buffers keep their pages whatever their size.
@@ -99,5 +99,14 @@ inline bool keep_scratch(bool on) {
     for (auto& b : scratch_buffers()) trim_scratch(b);
   return n > 0;
 }
+
+// A keep scope for the lifetime of this object (keep_scratch): one call's kernels reuse one set of buffers.
+class ScratchKeep {
+ public:
+  ScratchKeep() { keep_scratch(true); }
+  ~ScratchKeep() { keep_scratch(false); }
+  ScratchKeep(const ScratchKeep&) = delete;
+  ScratchKeep& operator=(const ScratchKeep&) = delete;
+};
 
 }  // namespace deepinfer

@@ -58,15 +58,16 @@ class ModelRunner:
     @torch.inference_mode()
     @cpu_ops.scratch_kept()
     def execute(self, batch, sampling: SamplingBatch) -> SamplerOutput:
-        """The step's forward and draw. A decode step whose rows all take the plain argmax draws it in the model's
-        own call where the model has one (decode_greedy): no logits pass through Python."""
+        """The step's forward and draw."""
         input_ids, meta = self.prepare(batch)
-        decodes_all = _decodes_all(batch, meta)
-        if self._greedy is not None and decodes_all and self.sampler.plain_greedy(sampling):
-            tokens = self._greedy(input_ids, meta)
-            if tokens is not None:
-                return SamplerOutput(tokens, None, None, None, None)
-        return self.sampler(self._logits(batch, input_ids, meta, decodes_all), sampling)
+        return self.sampler(self._logits(batch, input_ids, meta, _decodes_all(batch, meta)), sampling)
+
+    def greedy(self, batch) -> SamplerOutput | None:
+        """A decode step whose rows all draw the plain argmax (Sampler.plain_greedy), drawn in the model's own call
+        from the batch's arrays (decode_greedy): no tensors built, no logits through Python. None where the model
+        has no such call or cannot run this step in one (nothing ran)."""
+        tokens = None if self._greedy is None else self._greedy(batch)
+        return None if tokens is None else SamplerOutput(tokens, None, None, None, None)
 
 
 def _decodes_all(batch, meta: AttentionMetadata) -> bool:

@@ -8,7 +8,7 @@
     forward(input_ids [T], meta: AttentionMetadata) -> hidden [T, H]
     compute_logits(hidden [N, H]) -> logits [N, V] (fp32)
     forward_logits(input_ids [T], meta) -> logits [T, V] (fp32): compute_logits(forward(...)), fused where it can
-    decode_greedy(input_ids [T], meta) -> tokens [T] or None  # optional: a decode step's argmax drawn in its call
+    decode_greedy(batch: ScheduledBatch) -> tokens [T] or None  # optional: a decode step's argmax in one call
     load_weights(weights: Iterable[(hf_name, Tensor)]) -> None   # raises on missing/extra/misshapen
     weights_changed() -> None                 # optional: weights were moved or sharded after loading
 """

@@ -63,15 +63,16 @@ class Attention(nn.Module):
     def fused_decode(self, x: torch.Tensor, norm: RMSNorm, meta: AttentionMetadata) -> torch.Tensor | None:
         """self(norm(x), meta) in one C++ call (cpu_ops.attention_block) for a decode step (one query per
         sequence) on CPU bf16 weights whose GEMM plan keeps both projections on our kernels; None otherwise."""
-        weights = self.fused_weights(x, norm, meta)
+        weights = self.fused_weights(x, norm) if meta.max_query_len == 1 else None
         if weights is None:
             return None
         return cpu_ops.attention_block(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
                                        weights)
 
-    def fused_weights(self, x: torch.Tensor, norm: RMSNorm, meta: AttentionMetadata) -> tuple | None:
-        """cpu_ops.attention_block_weights for these inputs, or None where the fused half cannot run them."""
-        if meta.max_query_len != 1 or x.dim() != 2:
+    def fused_weights(self, x: torch.Tensor, norm: RMSNorm) -> tuple | None:
+        """cpu_ops.attention_block_weights for a decode step over these inputs (one query per sequence), or None
+        where the fused half cannot run them."""
+        if x.dim() != 2:
             return None
         qkv, o = member(self, "qkv_proj"), member(self, "o_proj")
         key = (x.dtype, x.device.type, bucket(x.shape[0]), PLAN.invariant, member(norm, "weight").data_ptr(),
@@ -134,12 +135,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
 
-    def fused_weights(self, x: torch.Tensor, meta: AttentionMetadata) -> tuple | None:
+    def fused_weights(self, x: torch.Tensor) -> tuple | None:
         """(attention, MLP) weights of this layer's entry in cpu_ops.decoder_stack's `layers` (the MLP's log2phy
-        completes it), or None where its fused halves cannot run these inputs (or its MLP has no fused half)."""
+        completes it) for a decode step over x, or None where its fused halves cannot run these inputs (or its MLP
+        has no fused half)."""
         block = member(self, "mlp")
         fused = getattr(block, "fused_weights", None)
-        attn = member(self, "self_attn").fused_weights(x, member(self, "input_layernorm"), meta) \
+        attn = member(self, "self_attn").fused_weights(x, member(self, "input_layernorm")) \
             if fused is not None else None
         mlp = fused(x, x, member(self, "post_attention_layernorm")) if attn is not None else None
         return None if mlp is None else (attn, mlp)
@@ -178,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
         self.tie_word_embeddings = bool(hf_get(cfg, "tie_word_embeddings", default=False))
         self.lm_head = None if self.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype)
-        # _decode_stack's checks by input kind, valid for one expert placement and until weights_changed().
+        # _decode_stack's checks by row bucket, valid for one expert placement and until weights_changed().
         self._stacks: dict[tuple, tuple | None] = {}
         self._stacks_placement = None
 
@@ -210,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [T] -> final hidden states [T, hidden]."""
         out = self._decode(input_ids, meta, head=False)
         if out is not None:
-            return self.norm(out[0])
+            return self.norm(out)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, meta)
@@ -221,48 +223,53 @@ class LlamaForCausalLM(nn.Module):
         one C++ call, the final norm and LM head join it: the same bits without two more calls from Python (whose
         code runs on caches the weight stream has just emptied)."""
         out = self._decode(input_ids, meta, head=True)
-        return self.compute_logits(self(input_ids, meta)) if out is None else out[0]
+        return self.compute_logits(self(input_ids, meta)) if out is None else out
 
-    def decode_greedy(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Each token's greedy draw from forward_logits [T] int64 (the first argmax; -1 for a row with NaN or inf)
-        where the step runs in one C++ call with the head, which then draws too; None (nothing ran) elsewhere."""
-        out = self._decode(input_ids, meta, head=True, greedy=True)
-        return None if out is None else out[1]
+    def decode_greedy(self, batch) -> torch.Tensor | None:
+        """A scheduled decode batch's (C++ ScheduledBatch, one token per sequence) greedy tokens [T] int64: each row's
+        first argmax of forward_logits (-1 for a row with NaN or inf), drawn in one C++ call from the batch's own
+        arrays; None where the step cannot run in one call with the head (nothing ran)."""
+        stack = self._decode_stack(batch.num_seqs, head=True)
+        return None if stack is None else cpu_ops.decode_greedy(stack, batch, self._step_counts())
 
-    def _decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, head: bool, greedy: bool = False):
-        """cpu_ops.decode_step's (out, tokens) for this step, or None where it cannot run in one call."""
-        eplb = self._eplb()
-        stack = self._decode_stack(input_ids, meta, head, None if eplb is None else eplb.placement)
+    def _decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, head: bool) -> torch.Tensor | None:
+        """cpu_ops.decode_step's output for this step, or None where it cannot run in one call."""
+        if input_ids.dim() != 1 or input_ids.device.type != "cpu" or meta.max_query_len != 1:
+            return None
+        stack = self._decode_stack(input_ids.shape[0], head)
         if stack is None:
             return None
-        counts = None if eplb is None else eplb.recorder.step_rows().view(-1)
         return cpu_ops.decode_step(stack, input_ids, meta.positions, meta.slot_mapping, meta.block_tables,
-                                   meta.context_lens, counts, greedy)
+                                   meta.context_lens, self._step_counts())
 
-    def _decode_stack(self, input_ids: torch.Tensor, meta: AttentionMetadata, head: bool, placement) -> tuple | None:
-        """cpu_ops.decode_step's `stack` for this step (with the final norm and LM head when head), or None unless
-        every layer (and the head) can run in it. Checking the layers cost ~20 us each per step at batch 1, so
-        they are checked once per input kind and expert placement (the EPLB placement the MoE layers route with;
-        replanning replaces it)."""
+    def _step_counts(self) -> torch.Tensor | None:
+        """decode_step's counts: every MoE layer's row of the EPLB recorder's step counts, or None without EPLB."""
+        eplb = self._eplb()
+        return None if eplb is None else eplb.recorder.step_flat()
+
+    def _decode_stack(self, rows: int, head: bool) -> tuple | None:
+        """cpu_ops.decode_step's `stack` for a decode step of `rows` CPU tokens (with the final norm and LM head when
+        head), or None unless every layer (and the head) can run in it. Checking the layers cost ~20 us each per
+        step at batch 1, so they are checked once per row bucket and expert placement (the EPLB placement the MoE
+        layers route with; replanning replaces it)."""
+        eplb = self._eplb()
+        placement = None if eplb is None else eplb.placement
         if placement is not self._stacks_placement:
             self._stacks.clear()
             self._stacks_placement = placement
-        key = (input_ids.device.type, input_ids.dim(), bucket(input_ids.shape[0]), meta.max_query_len == 1,
-               PLAN.invariant)
+        key = (bucket(rows), PLAN.invariant)
         if key not in self._stacks:
-            self._stacks[key] = self._check_decode_stack(input_ids, meta)
+            self._stacks[key] = self._check_decode_stack(rows)
         stacks = self._stacks[key]
         return None if stacks is None else stacks[head]
 
-    def _check_decode_stack(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple | None:
-        """cpu_ops.decoder_stack for steps like this one without and with the head (None where the head cannot
-        run in it), or None where a layer cannot."""
-        if input_ids.dim() != 1 or input_ids.device.type != "cpu":
-            return None
-        x = torch.empty(input_ids.shape[0], self.config.hidden_size, dtype=self.embed_tokens.weight.dtype)
+    def _check_decode_stack(self, rows: int) -> tuple | None:
+        """cpu_ops.decoder_stack for decode steps of `rows` tokens without and with the head (None where the head
+        cannot run in it), or None where a layer cannot."""
+        x = torch.empty(rows, self.config.hidden_size, dtype=self.embed_tokens.weight.dtype)
         layers = []
         for i, layer in enumerate(self.layers):
-            weights = layer.fused_weights(x, meta)
+            weights = layer.fused_weights(x)
             if weights is None or (layer.mlp.eplb is not None and layer.mlp.moe_index != i):
                 return None  # counts are passed as the recorder's rows, one per layer in order
             layers.append((*weights, layer.mlp.load_tensors()[1]))

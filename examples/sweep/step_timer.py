@@ -4,8 +4,8 @@ by wrapping the calls step() already makes (no change to what they do):
 - draft:     engine.spec.prepare() when speculative decoding is on (drafting; 0 otherwise)
 - schedule:  scheduler.schedule() (C++; it also builds the flat input arrays)
 - prepare:   runner.prepare(): arrays -> torch tensors and attention metadata
-- forward:   runner.execute() / runner.logits_all() minus prepare and the sampler (model forward, logits; a
-             greedy decode step's argmax too where the model draws it in its own call, decode_greedy)
+- forward:   runner.execute() / runner.logits_all() minus prepare and the sampler (model forward, logits), or
+             runner.greedy() (a greedy decode step drawn in the model's own call, decode_greedy: its argmax too)
 - sampling:  engine._sampling_batch() (per-row parameter tensors) plus runner.sampler(), or the
              draft verification (engine.spec.verify()) on speculative steps
 - output:    the rest of step(): scheduler.process() (C++ append, stop checks, frees) and the
@@ -63,9 +63,10 @@ class StepTimer:
         # Instance attributes shadow the methods; the originals stay bound to the same objects.
         r.prepare = _Timed(type(r).prepare.__get__(r), self.acc, "prepare")
         r.execute = _Timed(type(r).execute.__get__(r), self.acc, "execute")
+        r.greedy = _Timed(type(r).greedy.__get__(r), self.acc, "greedy")
         r.sampler = _Timed(r.sampler, self.acc, "sampler")
         e._sampling_batch = _Timed(type(e)._sampling_batch.__get__(e), self.acc, "sampling_batch")
-        self._wrapped = [(r, "prepare"), (r, "execute"), (e, "_sampling_batch")]
+        self._wrapped = [(r, "prepare"), (r, "execute"), (r, "greedy"), (e, "_sampling_batch")]
         spec = getattr(e, "spec", None)  # speculative decoding, where the engine has it
         for obj, name, key in ((r, "logits_all", "logits_all"), (spec, "prepare", "draft"), (spec, "verify", "verify")):
             if obj is not None and hasattr(type(obj), name):
@@ -92,7 +93,8 @@ def split(total: float, acc: dict) -> dict:
     """Phase seconds from the wrapped calls' times; output is the remainder, so phases sum to total."""
     g = acc.get
     phases = {"draft": g("draft", 0.0), "schedule": g("schedule", 0.0), "prepare": g("prepare", 0.0),
-              "forward": g("execute", 0.0) + g("logits_all", 0.0) - g("prepare", 0.0) - g("sampler", 0.0),
+              "forward": g("execute", 0.0) + g("logits_all", 0.0) + g("greedy", 0.0) - g("prepare", 0.0)
+              - g("sampler", 0.0),
               "sampling": g("sampling_batch", 0.0) + g("sampler", 0.0) + g("verify", 0.0)}
     phases["output"] = total - sum(phases.values())
     phases["total"] = total
