@@ -41,6 +41,7 @@ class EngineConfig:
     prefix_cache: str | dict | None = None  # engine/prefix_cache.py
     state_transfer: str = "auto"  # engine/kv_transfer.py: how a handoff's StateBlock travels
     async_scheduling: bool = False  # engine/llm_engine.py: schedule decode step N+1 while step N runs
+    num_scheduler_steps: int = 1  # engine/llm_engine.py: greedy decode steps run back to back in one C++ call
 
     @staticmethod
     def default_num_threads() -> int:
@@ -70,6 +71,12 @@ class EngineConfig:
             raise ValueError(f"LLM(state_transfer={self.state_transfer!r}) must be one of {STATE_TRANSFER_MODES}")
         if self.engine_type not in ("normal", "prompt", "completion"):
             raise ValueError(f"LLM(engine_type={self.engine_type!r}) must be normal, prompt or completion")
+        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
+            raise ValueError(f"LLM(num_scheduler_steps={self.num_scheduler_steps!r}) must be a positive integer")
+        if self.num_scheduler_steps > 1 and (self.speculative or self.async_scheduling):
+            # A draft needs the previous step's tokens in Python; an ahead step needs each step back in Python.
+            raise ValueError("LLM(num_scheduler_steps > 1) does not support speculative=... or async_scheduling=True; "
+                             "use one of them")
         if self.async_scheduling and self.speculative:
             # A speculative step's drafts come from the previous step's output, which an ahead step cannot wait for.
             raise ValueError("LLM(async_scheduling=True) does not support speculative=...; use one of them")

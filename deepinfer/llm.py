@@ -46,7 +46,12 @@ class LLM:
     "replay" lets the receiver rebuild it exactly from the last tokens, "auto" picks the fewer bytes.
     async_scheduling: decode step N+1 is scheduled while step N's forward runs on a worker thread, and step N's
     outputs are processed while step N+1's runs (same tokens as without; not with speculative=...). Off by
-    default: on CPUs the forward and Python's output processing share cores and the GIL (docs/benchmarks.md)."""
+    default: on CPUs the forward and Python's output processing share cores and the GIL (docs/benchmarks.md).
+    num_scheduler_steps: k > 1 runs up to k decode steps back to back in one C++ call (schedule, forward, greedy
+    draw, stop checks) while every running request draws greedily with nothing wanted per step in Python (no
+    stop strings, logprobs, logits processors or structured outputs; others run one step per call), so a
+    batch-1 step pays Python's share once per k steps; engine.step() then returns the outputs of up to k steps.
+    Same tokens as k = 1; not with speculative=... or async_scheduling=True."""
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,
@@ -56,7 +61,8 @@ class LLM:
                  data_parallel_size: int = 1, ray_address: str | None = None, dp_config: dict | None = None,
                  batch_invariant: bool = False, enable_chunked_prefill: bool = True,
                  long_prefill_token_threshold: int = 0, prefix_cache: str | dict | None = None,
-                 disaggregation: dict | None = None, state_transfer: str = "auto", async_scheduling: bool = False):
+                 disaggregation: dict | None = None, state_transfer: str = "auto", async_scheduling: bool = False,
+                 num_scheduler_steps: int = 1):
         config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
                               kv_cache_memory=kv_cache_memory, block_size=block_size or 0,
@@ -67,7 +73,7 @@ class LLM:
                               enable_chunked_prefill=enable_chunked_prefill,
                               long_prefill_token_threshold=long_prefill_token_threshold,
                               prefix_cache=prefix_cache, state_transfer=state_transfer,
-                              async_scheduling=async_scheduling)
+                              async_scheduling=async_scheduling, num_scheduler_steps=num_scheduler_steps)
         if disaggregation is not None:  # prefill and decode engines in their own processes (engine/disagg.py)
             if data_parallel_size != 1:
                 raise ValueError("LLM(disaggregation=...) with data_parallel_size > 1 is not supported yet")

@@ -250,11 +250,11 @@ def test_llamacpp_table_parse():
 
 
 def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
-    """Two points run twice (one plain, one drafting; two rounds), a too-large batch and a missing peer
-    are reported and listed as not measured, JSON and PNG come out, and a second run skips what is done."""
+    """Two points run twice (one plain with 3 scheduler steps, one drafting; two rounds), a too-large batch and a
+    missing peer are reported and listed as not measured, JSON and PNG come out, and a second run skips what is done."""
     replay = {"method": "replay", "num_draft_tokens": 2, "acceptance": 1.0, "verify": "all"}
     cfg = {"model": tiny_qwen3_moe, "context": 8, "warmup": 2, "steps": 4, "rounds": 2, "configurations": {
-        "tiny": {"engine": "deepinfer", "options": {"dtype": "bfloat16"}, "batches": [1]},
+        "tiny": {"engine": "deepinfer", "options": {"dtype": "bfloat16", "num_scheduler_steps": 3}, "batches": [1]},
         "tiny-replay": {"engine": "deepinfer", "options": {"dtype": "float32", "speculative": replay}, "batches": [2]},
         "tiny-pool": {"engine": "deepinfer", "options": {"kv_cache_memory": 60000}, "batches": [64]},
         "llama": {"engine": "llamacpp"}}}
@@ -282,6 +282,9 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
         assert p["decode_avg_sps"] == pytest.approx(1000 / p["decode_step_ms"])
         assert sum(v for k, v in p["step_split_ms"].items() if k != "total") == pytest.approx(p["step_split_ms"]["total"])
     assert plain["accepted_tokens_per_step"] is None and plain["floor"]["ms"] > 0 and plain["time_over_floor"] > 0
+    # 3 decode steps per engine step where the tiny model's layers run in one call (the GEMM plan keeps them on our
+    # kernels): the window of 4 then ends after two calls; else one step per call.
+    assert plain["measured_steps"] in (4, 6) and spec["measured_steps"] == 4
     assert plain["tokens_per_s_per_user"] == pytest.approx(plain["decode_avg_sps"])
     # Every draft right (acceptance 1): 2 drafts + 1 bonus token per step, measured from the outputs.
     assert spec["accepted_tokens_per_step"] == 3.0 and spec["nextn"] == 2

@@ -21,6 +21,7 @@
 #include "cpu/norm_rope.h"
 #include "cpu/sampling.h"
 #include "cpu/scratch.h"
+#include "engine/decode_loop.h"
 #include "engine/scheduler.h"
 
 namespace py = pybind11;
@@ -85,6 +86,13 @@ void raise_decode_status(const DecodeStatus& status, const DecoderStack& stack, 
   const std::string where = "decode_step: layer " + std::to_string(status.layer);
   raise_attention_status(status.attention, *layer.attention, max_blocks, where);
   raise_bad_expert(*layer.moe, where);
+}
+
+// What decode_greedy takes: a decode batch of one token per sequence and a stack with a head.
+void check_greedy_batch(const DecoderStack& stack, const ScheduledBatch& batch) {
+  if (batch.type != StepType::DECODE || batch.input_ids.size() != batch.seq_ids.size())
+    throw py::value_error("decode_greedy: the batch must be a decode step of one token per sequence");
+  if (!stack.head) throw py::value_error("decode_greedy: greedy tokens need a stack with a head");
 }
 
 py::dict features_dict() {
@@ -284,32 +292,38 @@ void bind_cpu_kernels(py::module_& m) {
   m.def(
       "decode_greedy",
       [](const DecoderStack& stack, const ScheduledBatch& batch, uintptr_t counts, bool bf16, int threads) {
-        const auto T = static_cast<int64_t>(batch.seq_ids.size());
-        if (batch.type != StepType::DECODE || static_cast<int64_t>(batch.input_ids.size()) != T)
-          throw py::value_error("decode_greedy: the batch must be a decode step of one token per sequence");
-        if (!stack.head) throw py::value_error("decode_greedy: greedy tokens need a stack with a head");
-        // The kernels read int64 tables and lengths; the scheduler keeps them as int32.
-        const std::vector<int64_t> lens(batch.context_lens.begin(), batch.context_lens.end());
-        const std::vector<int64_t> tables(batch.block_tables.begin(), batch.block_tables.end());
-        const DecodeBatch inputs{T, batch.positions.data(), batch.slot_mapping.data(), tables.data(), batch.max_blocks,
-                                 lens.data()};
-        py::array_t<int64_t> tokens(T);
+        check_greedy_batch(stack, batch);
+        py::array_t<int64_t> tokens(static_cast<py::ssize_t>(batch.seq_ids.size()));
         int64_t* drawn = tokens.mutable_data();
         DecodeStatus status;
         {
           py::gil_scoped_release release;
-          ScratchKeep keep;  // the step's layers reuse one set of buffers (cpu_ops.scratch_kept in Python)
-          const int64_t row_bytes = stack.layers.at(0).attention->hidden * (bf16 ? 2 : 4);
-          Scratch<char> out(ScratchUse::DECODE_OUT, T * row_bytes);
-          Scratch<float> logits(ScratchUse::DECODE_LOGITS, T * stack.head->vocab);
-          status = decode_step(stack, batch.input_ids.data(), reinterpret_cast<int64_t*>(counts), inputs, bf16,
-                               threads, out.data(), logits.data(), drawn);
+          status = decode_greedy(stack, batch, reinterpret_cast<int64_t*>(counts), bf16, threads, drawn);
         }
         raise_decode_status(status, stack, batch.input_ids.data(), batch.max_blocks);
         return tokens;
       },
       "tokens [T] int64: decode_step over a scheduled decode batch's own arrays with the stack's head, each row's "
       "first argmax of its logits (-1 for a row with NaN or inf)");
+  m.def(
+      "decode_greedy_steps",
+      [](const DecoderStack& stack, Scheduler& scheduler, const ScheduledBatch& first, int max_steps, uintptr_t counts,
+         int64_t counts_per_step, bool bf16, int threads, py::list done) {
+        check_greedy_batch(stack, first);
+        if (max_steps < 1) throw py::value_error("decode_greedy_steps: max_steps must be at least 1");
+        GreedySteps r;
+        {
+          py::gil_scoped_release release;
+          r = run_greedy_steps(scheduler, stack, first, max_steps, reinterpret_cast<int64_t*>(counts),
+                               counts_per_step, bf16, threads);
+        }
+        // The steps that ran reach the caller before a failure is raised: they are processed.
+        for (GreedyStep& step : r.done) done.append(py::make_tuple(std::move(step.batch), std::move(step.outputs)));
+        raise_decode_status(r.status, stack, r.failed.input_ids.data(), r.failed.max_blocks);
+        return r.preempted;
+      },
+      "runs `first` and up to max_steps - 1 more greedy decode steps (decode_greedy), each scheduled and processed "
+      "by the scheduler, appending (batch, outputs) per step to done; returns the sequences a last schedule evicted");
   m.def(
       "greedy_tokens",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {

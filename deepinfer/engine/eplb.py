@@ -61,6 +61,12 @@ class EplbState:
         if self.enabled and self.recorder.steps % self.config.step_interval == 0:
             self.replan()
 
+    def steps_to_replan(self) -> int | None:
+        """Engine steps until the one whose end_step() replans (1: the next), or None when replanning is off."""
+        if not self.enabled:
+            return None
+        return self.config.step_interval - self.recorder.steps % self.config.step_interval
+
     def replan(self) -> None:
         """Plans on the window with the current placement as the previous one (fewer moves), then
         moves weights with the same transfer list an expert-parallel engine runs across ranks."""

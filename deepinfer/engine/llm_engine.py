@@ -274,10 +274,11 @@ class LLMEngine:
         if self._pool is not None and batch.type == _C.StepType.DECODE:
             self._launch(batch)
             return self._step_in_flight(want)
-        return self._run_step(batch)
+        return self._run_step(batch, want)
 
-    def _run_step(self, batch) -> tuple[list[RequestOutput], int]:
-        """A step run here from start to end: the forward, sampling and output processing."""
+    def _run_step(self, batch, want=_C.StepType.IDLE) -> tuple[list[RequestOutput], int]:
+        """A step run here from start to end: the forward, sampling and output processing; with
+        num_scheduler_steps > 1 and want IDLE (no DP vote) maybe more decode steps after it (_run_greedy_steps)."""
         self._count_step(batch)
         if batch.type == _C.StepType.PREFILL:
             self._write_cached_prefixes(batch)
@@ -289,6 +290,10 @@ class LLMEngine:
             sampled = batch.sampled.astype(bool)
             states = [self.seqs[s] for s, drawn in zip(batch.seq_ids, sampled) if drawn]
             firsts = (sampled.cumsum() - 1).tolist()
+        steps = self._loop_steps(batch, states) if want == _C.StepType.IDLE else 1
+        ran = self._run_greedy_steps(batch, steps) if steps > 1 else None
+        if ran is not None:
+            return ran
         if batch.type == _C.StepType.DECODE and self.spec is not None and batch.draft_lens.sum() > 0:
             sampling = self._sampling_batch(states)
             logits = self.runner.logits_all(batch)
@@ -309,9 +314,55 @@ class LLMEngine:
         return self._outputs(firsts, results, states, out), batch.num_tokens
 
     def _count_step(self, batch) -> None:
-        for seq_id in batch.preempted:
-            self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
+        self._count_preemptions(batch.preempted)
         self.num_steps["prefill" if batch.type == _C.StepType.PREFILL else "decode"] += 1
+
+    def _count_preemptions(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
+
+    # ---- greedy decode steps back to back in C++ (num_scheduler_steps > 1) -------------------------------------
+
+    def _loop_steps(self, batch, states: list[SeqState]) -> int:
+        """How many decode steps from `batch` on may run in one C++ call: num_scheduler_steps when every row draws
+        the plain argmax and needs no Python per step (stop strings are matched on the text), up to the step
+        whose end replans the experts (that moves weights between steps); else 1. The rows are all the running
+        sequences that decode, and no sequence joins them inside the call."""
+        n = self.config.num_scheduler_steps
+        if n == 1 or batch.type != _C.StepType.DECODE \
+                or not all(s.plain_greedy and not s.params.stop_strings for s in states):
+            return 1
+        replan = None if self.eplb is None else self.eplb.steps_to_replan()
+        return n if replan is None else min(n, replan)
+
+    def _run_greedy_steps(self, batch, max_steps: int) -> tuple[list[RequestOutput], int] | None:
+        """Runs `batch` and up to max_steps - 1 more decode steps in one C++ call (ModelRunner.greedy_steps), then
+        each step's bookkeeping in order, also for the steps before one that raises. None where the model cannot
+        run them so (nothing ran)."""
+        counts = None if self.eplb is None else \
+            torch.zeros(max_steps, self.eplb.recorder.step_flat().numel(), dtype=torch.int64)
+        done = []
+        try:
+            evicted = self.runner.greedy_steps(self.scheduler, batch, max_steps, counts, done)
+        finally:
+            outputs = [out for k, (step, results) in enumerate(done)
+                       for out in self._greedy_step_done(k, step, results, counts)]
+        if evicted is None:
+            return None
+        self._count_preemptions(evicted)
+        return outputs, sum(step.num_tokens for step, _ in done)
+
+    def _greedy_step_done(self, k: int, batch, results, counts: torch.Tensor | None) -> list[RequestOutput]:
+        """Step k of a greedy run (its tokens already processed by the scheduler): what _run_step does after the
+        scheduler's process(); counts: the run's expert counts, row k this step's."""
+        if k:
+            self._count_step(batch)
+        if self.eplb is not None:
+            if counts is not None:
+                self.eplb.recorder.step_flat().add_(counts[k])
+            self.eplb.end_step()
+        states = [self._take_tokens(res) for res in results]
+        return self._outputs(range(len(results)), results, states, SamplerOutput(None, None, None, None, None))
 
     # ---- async scheduling: decode step N+1 is scheduled while step N's forward runs on the worker thread, and
     # launched as soon as N's tokens are appended; N's outputs are processed while N+1 runs. ---------------------

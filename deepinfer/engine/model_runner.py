@@ -69,6 +69,14 @@ class ModelRunner:
         tokens = None if self._greedy is None else self._greedy(batch)
         return None if tokens is None else SamplerOutput(tokens, None, None, None, None)
 
+    def greedy_steps(self, scheduler, batch, max_steps: int, counts: torch.Tensor | None, done: list) -> list | None:
+        """greedy(batch) and up to max_steps - 1 more greedy decode steps, each scheduled and processed by the
+        scheduler in the model's same call (decode_greedy_steps): done gets (batch, outputs) per step; counts
+        [max_steps, ...] their expert counts (or None). Returns the sequences a last decode schedule evicted, or
+        None where the model cannot (nothing ran)."""
+        run = getattr(self.model, "decode_greedy_steps", None)
+        return None if run is None else run(scheduler, batch, max_steps, counts, done)
+
 
 def _decodes_all(batch, meta: AttentionMetadata) -> bool:
     """One query per sequence, each sampled: a decode step's rows are its logits' rows."""

@@ -24,7 +24,8 @@ from examples.sweep.roofline import machine, rates_for
 
 ENGINE_OPTIONS = {
     "deepinfer": {"dtype", "kv_cache_dtype", "block_size", "num_threads", "kv_cache_memory",
-                  "max_num_batched_tokens", "seed", "speculative", "enable_eplb", "dp_config", "disaggregation"},
+                  "max_num_batched_tokens", "seed", "speculative", "enable_eplb", "dp_config", "disaggregation",
+                  "num_scheduler_steps"},
     "transformers": {"dtype", "num_threads", "experts_implementation", "timing"},
     "vllm": {"dtype", "num_threads"},
     "llamacpp": {"outtype", "num_threads"},

@@ -25,9 +25,11 @@ def prefill_shape(tokens: int, context: int) -> tuple[int, int]:
 
 def new_tokens(p, opts: dict) -> int:
     """Output tokens per sequence: enough that no sequence can finish before the timed window ends
-    (a drafting step commits up to 1 + k tokens); the run is cut right after the window."""
+    (a drafting step commits up to 1 + k tokens; the warmup's and the window's last engine step may each run up to
+    num_scheduler_steps - 1 decode steps past them); the run is cut right after the window."""
     spec = opts.get("speculative") or {}
-    return (p.warmup + p.steps) * (1 + int(spec.get("num_draft_tokens", 0))) + 1
+    past = 2 * (opts.get("num_scheduler_steps", 1) - 1)
+    return (p.warmup + p.steps + past) * (1 + int(spec.get("num_draft_tokens", 0))) + 1
 
 
 def make_llm(p, opts: dict) -> LLM:
@@ -86,37 +88,44 @@ def replay_references(engine, batch: list[list[int]], params) -> None:
 
 
 def run_decode(engine, p) -> dict:
-    """Prefill the batch, then warmup + steps decode steps; times only the last `steps`."""
+    """Prefill the batch, then at least `warmup` untimed decode steps and at least `steps` timed ones. An engine
+    step may run several decode steps back to back (num_scheduler_steps): each of them takes an equal share of
+    its call's time and phases."""
     params = SamplingParams(temperature=0, max_tokens=p.new_tokens, ignore_eos=True)
     batch = prompts(p.batch, p.context, engine.vocab_size, seed=p.batch)
     replay_references(engine, batch, params)
     for i, ids in enumerate(batch):
         engine.add_request(f"d{i}", ids, params)
     states = list(engine.seqs.values())  # kept: the engine drops a sequence's state when it finishes
-    prefill, decode, splits, before, after = [], [], [], None, None
+    prefill, timed, decoded, before, after = [], [], 0, None, None  # timed: (decode steps, phases) per call
     with StepTimer(engine) as timer:
         while engine.has_unfinished():
-            if prefill and len(decode) == p.warmup and before is None:
+            if prefill and decoded >= p.warmup and before is None:
                 before = sum(len(s.token_ids) for s in states)
+            steps_before = engine.num_steps["decode"]
             _, batch, split = timer.step()
             if batch.type == _C.StepType.PREFILL:
-                if decode:
+                if decoded:
                     raise PointError("a prefill (recompute) step came during decode: the batch did not stay fixed")
                 prefill.append((batch.num_tokens, split["total"]))
             elif batch.type == _C.StepType.DECODE:
                 _check_fixed(batch, p.batch)
-                decode.append(split["total"])
-                splits.append(split)
-            if len(decode) == p.warmup + p.steps:
+                n = engine.num_steps["decode"] - steps_before
+                decoded += n
+                if before is not None:
+                    timed.append((n, split))
+            if sum(n for n, _ in timed) >= p.steps:
                 after = sum(len(s.token_ids) for s in states)
                 break
     engine.abort_all()  # drafting runs stop short of max_tokens: end them, untimed
     if after is None:
-        raise PointError(f"only {len(decode)} decode steps ran; needed {p.warmup + p.steps}")
-    measured, split_ms = decode[p.warmup:], _mean_split(splits[p.warmup:])
+        raise PointError(f"only {decoded} decode steps ran; needed {p.warmup} + {p.steps}")
+    steps = sum(n for n, _ in timed)
+    measured = [split["total"] / n for n, split in timed for _ in range(n)]
     print(gemm_plan.PLAN.report())
     return {"gemm_plan": gemm_plan.PLAN.describe(), "decode_avg_sps": steps_per_second(measured), "decode_step_ms": 1000 * sum(measured) / len(measured),
-            "step_split_ms": split_ms, "measured_tokens_per_step": accepted_tokens_per_step(before, after, p.steps, p.batch),
+            "step_split_ms": _mean_split([split for _, split in timed], steps), "measured_steps": steps,
+            "measured_tokens_per_step": accepted_tokens_per_step(before, after, steps, p.batch),
             "prefill": [_prefill_entry(prefill)], "method": "engine steps timed one by one (StepTimer)"}
 
 
@@ -125,8 +134,9 @@ def _check_fixed(batch, want: int) -> None:
         raise PointError(f"a decode step ran {batch.num_seqs} sequences instead of {want}: the batch did not stay fixed")
 
 
-def _mean_split(splits: list[dict]) -> dict:
-    return {k: 1000 * sum(s[k] for s in splits) / len(splits) for k in PHASES + ("total",)}
+def _mean_split(splits: list[dict], steps: int) -> dict:
+    """Milliseconds per decode step of each phase over calls that ran `steps` decode steps in all."""
+    return {k: 1000 * sum(s[k] for s in splits) / steps for k in PHASES + ("total",)}
 
 
 def _prefill_entry(steps: list[tuple[int, float]]) -> dict:

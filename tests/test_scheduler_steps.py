@@ -1,0 +1,128 @@
+"""LLM(num_scheduler_steps=k): greedy decode steps run back to back in one C++ call (csrc/engine/decode_loop.h).
+The same tokens, finish reasons, preemptions, step counts and expert load as one step per call; fewer calls;
+requests that need Python per step (stop strings, logprobs, sampling) and arrivals mid-run fall back to it."""
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.layers import cpu_ops, gemm_plan
+from tests.conftest import our_expert_paths, our_kernel_path
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Every linear and expert on our kernels, as the one-call decode step needs (a loaded host's timed plan could
+    pick torch for a tiny shape); counts the greedy calls: [(kind, max_steps)]."""
+    monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
+    monkeypatch.setattr(gemm_plan.PLAN, "expert_paths", our_expert_paths)
+    calls, one, steps = [], cpu_ops.decode_greedy, cpu_ops.decode_greedy_steps
+    monkeypatch.setattr(cpu_ops, "decode_greedy", lambda *a: calls.append(("one", 1)) or one(*a))
+    monkeypatch.setattr(cpu_ops, "decode_greedy_steps", lambda *a: calls.append(("loop", a[3])) or steps(*a))
+    return calls
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 200, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def engine(path: str, k: int, **kw) -> LLM:
+    return LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20, block_size=4, num_scheduler_steps=k, **kw)
+
+
+def summary(llm: LLM, outs) -> tuple:
+    """What must not depend on num_scheduler_steps."""
+    e = llm.engine
+    return ([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+              o.metrics.num_preemptions) for o in outs],
+            e.num_steps["decode"], e.num_steps["prefill"], e.eplb.recorder.total().tolist())
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Lengths that end sequences at different steps of a run, EOS allowed for some, a stop token for one."""
+    return [SamplingParams(temperature=0, max_tokens=3 + 5 * i, ignore_eos=i % 2 == 0,
+                           stop_token_ids=[17] if i == 1 else None) for i in range(n)]
+
+
+def test_back_to_back_steps_equal_one_step_per_call(tiny_qwen3_moe, kernels):
+    ps = prompts(5)
+    ref_llm = engine(tiny_qwen3_moe, 1)
+    ref = summary(ref_llm, ref_llm.generate(ps, mixed_params(5), use_tqdm=False))
+    assert {kind for kind, _ in kernels} == {"one"} and len(kernels) == ref[1]
+    kernels.clear()
+    llm = engine(tiny_qwen3_moe, 8)
+    assert summary(llm, llm.generate(ps, mixed_params(5), use_tqdm=False)) == ref
+    assert {kind for kind, _ in kernels} == {"loop"} and len(kernels) < ref[1] / 3  # decode steps run 8 at a time
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.cache.num_blocks
+
+
+def test_preemption_and_arrivals_stop_a_run(tiny_qwen3_moe, kernels):
+    """A tiny pool: decode steps evict sequences (they wait for a recompute), and a request added mid-run
+    waits for a prefill: both end a run early, with the same tokens and preemption counts as one step per call."""
+    ps, params = prompts(6), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    block_bytes = engine(tiny_qwen3_moe, 1).engine.cache.spec.bytes_per_block
+
+    def run(k: int) -> tuple:
+        # 3 sequences at most, a pool of 18 blocks x 4 tokens: decode steps must evict.
+        llm = LLM(tiny_qwen3_moe, dtype="bfloat16", max_num_seqs=3, max_model_len=64, block_size=4,
+                  kv_cache_memory=18 * block_bytes, num_scheduler_steps=k)
+        e, outs = llm.engine, {}
+        for i, ids in enumerate(ps[:5]):
+            e.add_request(str(i), ids, params)
+        for n in range(300):
+            if n == 6:
+                e.add_request("5", ps[5], params)
+            outs.update({o.request_id: o for o in e.step()[0]})
+            if not e.has_unfinished():
+                break
+        return [(r, outs[r].outputs[0].token_ids, outs[r].metrics.num_preemptions) for r in sorted(outs)], \
+            e.scheduler.num_preemptions, e.num_steps["decode"]
+
+    ref = run(1)
+    kernels.clear()
+    assert run(8) == ref and ref[1] > 0 and len(ref[0]) == 6
+    assert ("loop", 8) in kernels
+
+
+def test_requests_that_need_python_per_step_run_one_step_per_call(tiny_qwen3_moe, kernels):
+    """Stop strings, logprobs and sampling need each step's tokens in Python: while such a request runs every step
+    takes one call (its first 3 decode steps here), after it ends the other two run back to back; the tokens are
+    those of one step per call."""
+    ps = prompts(3)
+    for special, one_calls in ((SamplingParams(temperature=0, max_tokens=4, stop=["zz"]), 3),  # greedy: decode_greedy
+                               (SamplingParams(temperature=0, max_tokens=4, logprobs=1), 0),  # decode_step, sampler
+                               (SamplingParams(temperature=0.8, seed=3, max_tokens=4), 0)):
+        params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), special,
+                  SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+        ref_llm, llm = engine(tiny_qwen3_moe, 1), engine(tiny_qwen3_moe, 8)
+        ref = [o.outputs[0].token_ids for o in ref_llm.generate(ps, params, use_tqdm=False)]
+        kernels.clear()
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == ref
+        assert kernels[:one_calls] == [("one", 1)] * one_calls and kernels[one_calls][0] == "loop"
+        assert all(kind == "loop" for kind, _ in kernels[one_calls:])
+
+
+def test_runs_end_at_the_step_that_replans_the_experts(tiny_qwen3_moe, kernels):
+    """With EPLB replanning every 5 steps a run never crosses a replan (it moves weights between steps): the
+    same placements, expert load and tokens as one step per call."""
+    def run(k: int) -> tuple:
+        llm = engine(tiny_qwen3_moe, k, enable_eplb=True, eplb_config={"step_interval": 5, "window_size": 50})
+        outs = llm.generate(prompts(2), SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+                            use_tqdm=False)
+        eplb = llm.engine.eplb
+        return summary(llm, outs), eplb.placement.phy2log.tolist(), eplb.recorder.steps
+
+    ref = run(1)
+    kernels.clear()
+    assert run(8) == ref
+    assert [n for kind, n in kernels if kind == "loop"] and all(n <= 5 for _, n in kernels)
+
+
+def test_num_scheduler_steps_is_checked(tiny_qwen3_moe):
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="num_scheduler_steps"):
+            engine(tiny_qwen3_moe, bad)
+    with pytest.raises(ValueError, match="num_scheduler_steps > 1"):
+        engine(tiny_qwen3_moe, 4, async_scheduling=True)
