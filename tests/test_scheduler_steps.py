@@ -126,3 +126,19 @@ def test_num_scheduler_steps_is_checked(tiny_qwen3_moe):
             engine(tiny_qwen3_moe, bad)
     with pytest.raises(ValueError, match="num_scheduler_steps > 1"):
         engine(tiny_qwen3_moe, 4, async_scheduling=True)
+
+
+def test_the_sweeps_step_timer_counts_a_run_as_forward(tiny_qwen3_moe, kernels):
+    """examples/sweep/step_timer.py: an engine step that ran 8 decode steps in one call books the call as forward
+    (it was booked as output processing before the timer wrapped it)."""
+    from examples.sweep.step_timer import StepTimer
+
+    e = engine(tiny_qwen3_moe, 8).engine
+    e.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    with StepTimer(e) as timer:
+        timer.step()  # the prefill
+        before = e.num_steps["decode"]
+        _, batch, split = timer.step()
+        ran = timer.acc["greedy_steps"]
+    assert e.num_steps["decode"] - before == 8 and kernels[-1] == ("loop", 8) and batch.num_seqs == 1
+    assert ran > 0 and split["forward"] == pytest.approx(ran)
