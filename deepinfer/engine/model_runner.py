@@ -13,6 +13,7 @@ class ModelRunner:
         self.model, self.block_size = model, block_size
         self.sampler = Sampler()
         self._greedy = getattr(model, "decode_greedy", None)  # optional: models that draw inside their decode call
+        self._greedy_steps = getattr(model, "decode_greedy_steps", None)  # optional: and run such steps back to back
 
     def prepare(self, batch) -> tuple[torch.Tensor, AttentionMetadata]:
         """ScheduledBatch -> (input_ids [T], metadata). The arrays come from C++ input prep."""
@@ -74,8 +75,7 @@ class ModelRunner:
         scheduler in the model's same call (decode_greedy_steps): done gets (batch, outputs) per step; counts
         [max_steps, ...] their expert counts (or None). Returns the sequences a last decode schedule evicted, or
         None where the model cannot (nothing ran)."""
-        run = getattr(self.model, "decode_greedy_steps", None)
-        return None if run is None else run(scheduler, batch, max_steps, counts, done)
+        return None if self._greedy_steps is None else self._greedy_steps(scheduler, batch, max_steps, counts, done)
 
 
 def _decodes_all(batch, meta: AttentionMetadata) -> bool:
