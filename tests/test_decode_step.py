@@ -7,6 +7,7 @@ from test_attention_block import BLOCKS, BS, HIDDEN, H, D, inputs
 from test_moe_block import make_block
 
 from deepinfer import LLM, SamplingParams, _C
+from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.layers import cpu_ops, gemm_plan
 from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.models.llama import LlamaForCausalLM
@@ -121,10 +122,11 @@ def scheduled_decode(lens: list[int]):
 
 
 def batch_tensors(batch) -> tuple:
-    """A scheduled decode batch's (token ids, decode_step metadata) as tensors, as ModelRunner.prepare makes them."""
-    return torch.from_numpy(batch.input_ids), dict(
-        positions=torch.from_numpy(batch.positions), slot_mapping=torch.from_numpy(batch.slot_mapping),
-        block_tables=torch.from_numpy(batch.block_tables).long(), context_lens=torch.from_numpy(batch.context_lens).long())
+    """A scheduled decode batch's (token ids, decode_step metadata) as tensors: ModelRunner.prepare's, the engine's
+    own conversion (it needs no model)."""
+    ids, meta = ModelRunner(None, BS).prepare(batch)
+    return ids, dict(positions=meta.positions, slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
+                     context_lens=meta.context_lens)
 
 
 @pytest.mark.parametrize("packed", PACKED)
