@@ -215,16 +215,24 @@ void pair_tile(const typename V::xtype* x, const uint16_t* w, float* out, int64_
     for (int c = 0; c < C * P; ++c) acc[r][c] = V::zero();
   const int64_t panel = PAIR_BLOCK * K;  // elements per block
   const uint16_t* p = w + b0 * panel;
-  // The panels of the tile PAIR_PREFETCH_PANELS or more panels on, fetched into L2 while the first row block
-  // passes (later row blocks find the panels in L2), not past `end`. One panel at a time on 2 MiB pages is one
+  // Far (V::near_prefetch(R) 0): the panels of the tile PAIR_PREFETCH_PANELS or more panels on, fetched into L2
+  // while the first row block passes (later row blocks find the panels in L2). Near: each panel's own stream
+  // V::near_prefetch(R) bytes ahead, into L1. Neither past `end`. One panel at a time on 2 MiB pages is one
   // sequential stream, which the hardware prefetchers follow alone.
-  constexpr int64_t tiles_ahead = (PAIR_PREFETCH_PANELS + C - 1) / C;
-  const bool prefetch = m0 == 0 && b0 + (tiles_ahead + 1) * C <= end && (C > 1 || !single_panel_stream());
-  const uint16_t* ahead = p + tiles_ahead * C * panel;
+  constexpr int64_t distance = V::near_prefetch(R);
+  constexpr bool near = distance > 0;
+  constexpr int64_t tiles_ahead = near ? 0 : (PAIR_PREFETCH_PANELS + C - 1) / C;
+  const bool prefetch = m0 == 0 && (C > 1 || !single_panel_stream()) &&
+                        (near || b0 + (tiles_ahead + 1) * C <= end);
+  const char* ahead = reinterpret_cast<const char*>(p + tiles_ahead * C * panel) + distance;
+  const char* stop = reinterpret_cast<const char*>(w + end * panel);
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     typename V::wreg wv[C];
-    for (int c = 0; c < C && prefetch; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + c * panel + kp * 2 * PAIR_BLOCK), _MM_HINT_T1);
+    for (int c = 0; c < C && prefetch; ++c) {
+      const char* line = ahead + (c * panel + kp * 2 * PAIR_BLOCK) * sizeof(uint16_t);
+      if (!near) _mm_prefetch(line, _MM_HINT_T1);
+      else if (line < stop) _mm_prefetch(line, _MM_HINT_T0);
+    }
     for (int c = 0; c < C; ++c) wv[c] = V::load_bf16(p + c * panel + kp * 2 * PAIR_BLOCK);
     for (int r = 0; r < R; ++r) {
       typename V::xreg xv = V::broadcast_pair(x + (m0 + r) * K + 2 * kp);
