@@ -2,9 +2,10 @@
 
     python -m examples.sweep.roofline [--out roofline.json] [--threads 1 2]
 
-Bandwidth: best of several full reads of a 512 MiB fp32 array (far past any cache), on 2 MiB huge pages
-where the kernel gives them (deepinfer/memory.py: the engine keeps its weights there, and a core reads them
-~1.35x faster than from 4 KiB pages on the AMX Xeon), so the floor is the fastest read this machine offers.
+Bandwidth: best of several full reads of 512 MiB (far past any cache), on 2 MiB huge pages where the kernel
+gives them (deepinfer/memory.py: the engine keeps its weights there, and a core reads them ~1.35x faster than
+from 4 KiB pages on the AMX Xeon), by torch's sum and by the engine's batch-1 GEMV, the faster of the two, so
+the floor is the fastest read this machine offers.
 Matmul: best of several [512 x 2048] @ [2048 x 2048] products in fp32 and in bf16, the faster of the two:
 bf16 is the ceiling where the CPU multiplies bf16 natively (AMX, AVX512-BF16), fp32 where it does not (on
 an AVX2-only machine torch's bf16 GEMM measured 0.2 GFLOP/s). Best-of, not mean: other jobs on the shared
@@ -25,14 +26,35 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def bandwidth(mib: int = 512, repeats: int = 10) -> float:
-    """Bytes per second of a streaming read (sum of a large array)."""
+def gemv_kernel() -> tuple[str, int, bool]:
+    """(GEMM ISA name, kernel id, packed): how the engine reads bf16 weights at batch 1 here: its packed kernel
+    where this CPU has one (the engine packs its bf16 weights there), else its default exact one."""
+    from deepinfer.layers import cpu_ops
+
+    packed = cpu_ops.PACKED_ISA is not None
+    name = cpu_ops.PACKED_ISA if packed else cpu_ops.EXACT_ISA
+    return name, cpu_ops.GEMM_ISAS[name], packed
+
+
+def bandwidth(threads: int, mib: int = 512, repeats: int = 10) -> float:
+    """Bytes per second of the fastest streaming read measured: torch's sum over a large fp32 array, or one row
+    through the engine's batch-1 GEMV over the same bytes as a bf16 weight [N, 1024] (its per-panel prefetching
+    read 1.05-1.15x faster than the sum at one thread on a Zen 3): the floor is never slower than a read the
+    engine itself makes."""
     import torch  # here, not at the top: the sweep's listing and tables import this file
 
+    from deepinfer import _C
     from deepinfer.memory import huge_page_zeros
 
     a = huge_page_zeros((mib << 18,), torch.float32).fill_(1.0)  # mib MiB of fp32
-    return a.numel() * 4 / _best(a.sum, repeats)
+    summed = a.numel() * 4 / _best(a.sum, repeats)
+    k = 1024
+    n = a.numel() * 2 // k
+    x, out = torch.ones(1, k), torch.empty(1, n)
+    _, isa, packed = gemv_kernel()
+    gemv = a.numel() * 4 / _best(lambda: _C.linear_bf16(x.data_ptr(), a.data_ptr(), 0, out.data_ptr(), False, 1, k,
+                                                        n, isa, False, packed, threads), repeats)
+    return max(summed, gemv)
 
 
 def matmul_rate(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> float:
@@ -57,7 +79,7 @@ def measure(threads: int) -> dict:
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return {"threads": threads, "bandwidth": bandwidth(), "matmul": matmul_rate()}
+        return {"threads": threads, "bandwidth": bandwidth(threads), "matmul": matmul_rate()}
     finally:
         torch.set_num_threads(old)
 
