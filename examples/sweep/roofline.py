@@ -39,7 +39,7 @@ def gemv_kernel() -> tuple[str, int, bool]:
 def bandwidth(threads: int, mib: int = 512, repeats: int = 10) -> float:
     """Bytes per second of the fastest streaming read measured: torch's sum over a large fp32 array, or one row
     through the engine's batch-1 GEMV over the same bytes as a bf16 weight [N, 1024] (its per-panel prefetching
-    read 1.05-1.15x faster than the sum at one thread on a Zen 3): the floor is never slower than a read the
+    read up to 1.27x faster than the sum at one thread on a Zen 3): the floor is never slower than a read the
     engine itself makes."""
     import torch  # here, not at the top: the sweep's listing and tables import this file
 
