@@ -1,11 +1,10 @@
 """Batch-1 weight read rate of the engine's kernels on cold weights, beside torch's streaming read in one run.
 
-A decode step at batch 1 spends most of its time reading each weight once. This times the kernels that read them
-for the weights of a medium Qwen3-MoE layer (qkv, o, the top-4 experts; not the 64 KB router, which one call
-per copy could not time) and its LM head, each call on
-weights no cache holds (copies cycled through a buffer far past the L3), alternated round by round with torch's
-sum over 512 MiB (the other reader of examples/sweep/roofline.py), and reports each rate and its ratio to the sum
-of the same round.
+A decode step at batch 1 spends most of its time reading each weight once. This times the kernels that read the
+weights of a medium Qwen3-MoE layer (qkv, o, the top-4 experts; not the 64 KB router, which one call per copy could
+not time) and its LM head, each call on weights no cache holds (copies cycled through a buffer far past the L3),
+alternated round by round with torch's sum over 512 MiB (the other reader of examples/sweep/roofline.py), and
+reports each rate and its ratio to the sum of the same round.
 
     python examples/bench_gemv.py [--threads 1 2] [--rounds 5] [--write]
 """
