@@ -10,42 +10,30 @@ reports each rate and its ratio to the sum of the same round.
 """
 import argparse
 import statistics
-import time
 
 import torch
 
 from deepinfer import _C, platform
 from deepinfer.docs import write_section
 from deepinfer.memory import huge_page_zeros
-from examples.sweep.roofline import gemv_kernel
+from examples.sweep.roofline import best_time, gemv_kernel, gemv_reader, read_array
 
 H, I, TOP_K, VOCAB, QKV = 1024, 512, 4, 32000, 1536  # the medium Qwen3-MoE (examples/make_medium_qwen3_moe.py)
 COLD_BYTES = 384 << 20  # weights cycled per pass: over 10x the L3 of the machines here
-SUM_BYTES = 512 << 20   # the roofline's read (examples/sweep/roofline.py)
+PASSES = 3  # timed passes per round; its best counts
 LINEARS = {"qkv": (QKV, H), "o": (H, H), "lm_head": (VOCAB, H)}
-
-
-def _best(fn, passes: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(passes):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def linear_pass(n: int, k: int, threads: int):
     """A pass of one-row linears over copies of an [n, k] bf16 weight: (fn, bytes read per pass)."""
     copies = max(2, COLD_BYTES // (n * k * 2))
     w = huge_page_zeros((copies, n, k), torch.bfloat16).fill_(0.01)
-    x, out = torch.full((1, k), 0.5), torch.empty(1, n)
-    _, isa, packed = gemv_kernel()
+    read = gemv_reader(n, k, threads)
     ptrs = [w[c].data_ptr() for c in range(copies)]
 
     def run():
         for p in ptrs:
-            _C.linear_bf16(x.data_ptr(), p, 0, out.data_ptr(), False, 1, k, n, isa, False, packed, threads)
+            read(p)
     return run, w.numel() * 2
 
 
@@ -73,15 +61,15 @@ def experts_pass(threads: int):
 def measure(threads: int, rounds: int) -> dict:
     """name -> (median GB/s, median ratio to the same round's sum); "sum" -> (median GB/s, 1.0)."""
     torch.set_num_threads(threads)
-    a = huge_page_zeros((SUM_BYTES // 4,), torch.float32).fill_(1.0)
+    a = read_array()
     passes = {name: linear_pass(n, k, threads) for name, (n, k) in LINEARS.items()}
     passes["experts (top-4)"] = experts_pass(threads)
     rates = {name: [] for name in ["sum", *passes]}
     ratios = {name: [] for name in passes}
     for _ in range(rounds):
-        rates["sum"].append(SUM_BYTES / _best(a.sum) / 1e9)
+        rates["sum"].append(a.numel() * 4 / best_time(a.sum, PASSES) / 1e9)
         for name, (fn, nbytes) in passes.items():
-            rates[name].append(nbytes / _best(fn) / 1e9)
+            rates[name].append(nbytes / best_time(fn, PASSES) / 1e9)
             ratios[name].append(rates[name][-1] / rates["sum"][-1])
     return {name: (statistics.median(r), statistics.median(ratios.get(name, [1.0]))) for name, r in rates.items()}
 
@@ -105,7 +93,7 @@ def main():
     results = {t: measure(t, args.rounds) for t in args.threads}
     isa, _, packed = gemv_kernel()
     body = (f"CPU: `{platform.cpu_flags()}`; kernel `{isa}`, weights {'packed' if packed else 'row-major'}; "
-            f"medians of {args.rounds} rounds, each the best of 3 passes; `python examples/bench_gemv.py`.\n\n"
+            f"medians of {args.rounds} rounds, each the best of {PASSES} passes; `python examples/bench_gemv.py`.\n\n"
             + table(results))
     print(body)
     if args.write:

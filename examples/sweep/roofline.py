@@ -16,7 +16,8 @@ import os
 import time
 
 
-def _best(fn, repeats: int) -> float:
+def best_time(fn, repeats: int) -> float:
+    """Seconds of fn's fastest call of `repeats`, after one untimed call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -36,25 +37,39 @@ def gemv_kernel() -> tuple[str, int, bool]:
     return name, cpu_ops.GEMM_ISAS[name], packed
 
 
+def read_array(mib: int = 512):
+    """mib MiB of fp32 ones (far past any cache), on 2 MiB huge pages where the kernel gives them."""
+    import torch  # here, not at the top: the sweep's listing and tables import this file
+
+    from deepinfer.memory import huge_page_zeros
+
+    return huge_page_zeros((mib << 18,), torch.float32).fill_(1.0)
+
+
+def gemv_reader(n: int, k: int, threads: int):
+    """read(w_ptr): one row of ones through the engine's batch-1 GEMV (gemv_kernel) over the bf16 weight [n, k] at
+    w_ptr, on `threads` threads."""
+    import torch
+
+    from deepinfer import _C
+
+    x, out = torch.ones(1, k), torch.empty(1, n)
+    _, isa, packed = gemv_kernel()
+
+    def read(w_ptr: int) -> None:
+        _C.linear_bf16(x.data_ptr(), w_ptr, 0, out.data_ptr(), False, 1, k, n, isa, False, packed, threads)
+    return read
+
+
 def bandwidth(threads: int, mib: int = 512, repeats: int = 10) -> float:
     """Bytes per second of the fastest streaming read measured: torch's sum over a large fp32 array, or one row
     through the engine's batch-1 GEMV over the same bytes as a bf16 weight [N, 1024] (its per-panel prefetching
     read up to 1.27x faster than the sum at one thread on a Zen 3): the floor is never slower than a read the
     engine itself makes."""
-    import torch  # here, not at the top: the sweep's listing and tables import this file
-
-    from deepinfer import _C
-    from deepinfer.memory import huge_page_zeros
-
-    a = huge_page_zeros((mib << 18,), torch.float32).fill_(1.0)  # mib MiB of fp32
-    summed = a.numel() * 4 / _best(a.sum, repeats)
-    k = 1024
-    n = a.numel() * 2 // k
-    x, out = torch.ones(1, k), torch.empty(1, n)
-    _, isa, packed = gemv_kernel()
-    gemv = a.numel() * 4 / _best(lambda: _C.linear_bf16(x.data_ptr(), a.data_ptr(), 0, out.data_ptr(), False, 1, k,
-                                                        n, isa, False, packed, threads), repeats)
-    return max(summed, gemv)
+    a = read_array(mib)
+    nbytes, k = a.numel() * 4, 1024
+    read = gemv_reader(nbytes // 2 // k, k, threads)
+    return nbytes / min(best_time(a.sum, repeats), best_time(lambda: read(a.data_ptr()), repeats))
 
 
 def matmul_rate(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> float:
@@ -68,7 +83,7 @@ def matmul_rate(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) ->
     rates = []
     for dtype in (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,):
         x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-        rates.append(2 * m * k * n / _best(lambda: x @ w, repeats))
+        rates.append(2 * m * k * n / best_time(lambda: x @ w, repeats))
     return max(rates)
 
 
