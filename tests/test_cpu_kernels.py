@@ -109,7 +109,7 @@ def panel_order(request):
 
 
 @pytest.mark.parametrize("isa", PACKED)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 40, 130])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 40, 130])
 @pytest.mark.parametrize("k, n", [(64, 96), (38, 272), (1024, 1104)])
 def test_packed_linear_matches_reference_alone_in_a_batch_and_on_any_thread_count(m, k, n, isa, panel_order,
                                                                                   monkeypatch):

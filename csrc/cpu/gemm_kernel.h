@@ -201,11 +201,12 @@ constexpr int64_t PAIR_PREFETCH_PANELS = 6;
 
 // Weights in bf16 pairs (pack_bf16_pairs): each block of PAIR_BLOCK output columns is one panel
 // [K/2][PAIR_BLOCK][2], so one vector holds the block's weights for a pair of k and each row of x adds in
-// its pair as a broadcast. Outputs need no horizontal sums (at 8 rows and K 512-1024 these cost a third of
-// the dot-product tiles' time), and R rows of x share every weight vector: with 8 rows in one pass the
-// experts of the medium Qwen3-MoE ran 1.3x faster than the dot-product tiles from memory, 1.4x in cache
-// (Zen 4, one thread). Each lane sums its column's pairs in k order, whatever R and C: batch-invariant.
-// A panel's PAIR_BLOCK sums take V::PANEL_VECS vectors. end: the block where prefetching stops (pair_columns).
+// its pair as a broadcast (in V::PAIR_STEPS steps: both k at once, or one after the other). Outputs need no
+// horizontal sums (at 8 rows and K 512-1024 these cost a third of the dot-product tiles' time), and R rows of x
+// share every weight vector: with 8 rows in one pass the experts of the medium Qwen3-MoE ran 1.3x faster than
+// the dot-product tiles from memory, 1.4x in cache (Zen 4, one thread). Each lane sums its column's pairs in k
+// order, whatever R and C: batch-invariant. A panel's PAIR_BLOCK sums take V::PANEL_VECS vectors. end: the block
+// where prefetching stops (pair_columns).
 template <class V, int R, int C>
 void pair_tile(const typename V::xtype* x, const uint16_t* w, float* out, int64_t m0, int64_t b0, int64_t K,
                int64_t N, int64_t end) {
@@ -233,11 +234,13 @@ void pair_tile(const typename V::xtype* x, const uint16_t* w, float* out, int64_
       if (!near) _mm_prefetch(line, _MM_HINT_T1);
       else if (line < stop) _mm_prefetch(line, _MM_HINT_T0);
     }
-    for (int c = 0; c < C; ++c) wv[c] = V::load_bf16(p + c * panel + kp * 2 * PAIR_BLOCK);
-    for (int r = 0; r < R; ++r) {
-      typename V::xreg xv = V::broadcast_pair(x + (m0 + r) * K + 2 * kp);
-      for (int c = 0; c < C; ++c)
-        for (int v = 0; v < P; ++v) acc[r][c * P + v] = V::fma_pair(xv, wv[c], v, acc[r][c * P + v]);
+    for (int step = 0; step < V::PAIR_STEPS; ++step) {
+      for (int c = 0; c < C; ++c) wv[c] = V::load_pair(p + c * panel + kp * 2 * PAIR_BLOCK, step);
+      for (int r = 0; r < R; ++r) {
+        typename V::xreg xv = V::broadcast_pair(x + (m0 + r) * K + 2 * kp, step);
+        for (int c = 0; c < C; ++c)
+          for (int v = 0; v < P; ++v) acc[r][c * P + v] = V::fma_pair(xv, wv[c], v, acc[r][c * P + v]);
+      }
     }
   }
   // Unrolled, so every access to acc has constant indices and the compiler keeps it in registers (with this loop
@@ -289,9 +292,12 @@ void pair_columns(const typename V::xtype* x, const uint16_t* w, float* out, int
   const int64_t b0 = n0 / PAIR_BLOCK, b1 = n1 / PAIR_BLOCK, end = M <= STREAM_MAX_ROWS ? b1 : N / PAIR_BLOCK;
   if (M <= ROWS) return pair_rows<V, 0>(M, x, w, out, 0, K, N, b0, b1, end);
   constexpr int G = V::pair_cols(ROWS);
+  // Row blocks of equal size, as far as M allows (8 rows: 4 + 4, not 6 + 2): a short block shares each widened
+  // weight vector among fewer rows.
+  const int64_t blocks = (M + ROWS - 1) / ROWS, rows = (M + blocks - 1) / blocks;
   for (int64_t b = b0; b < b1; b += G)
-    for (int64_t m = 0; m < M; m += ROWS)
-      pair_rows<V, G>(std::min(ROWS, M - m), x, w, out, m, K, N, b, std::min<int64_t>(b + G, b1), end);
+    for (int64_t m = 0; m < M; m += rows)
+      pair_rows<V, G>(std::min(rows, M - m), x, w, out, m, K, N, b, std::min<int64_t>(b + G, b1), end);
 }
 
 // Output columns [n0, n1): the first `wide` rows (whole groups, transposed in xt) by outer products,

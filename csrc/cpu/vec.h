@@ -42,41 +42,35 @@ struct Avx2 {
 };
 
 // Packed weights (pair_tile in gemm_kernel.h) on AVX2, which has no bf16 products: a panel row is 16 columns x
-// a pair of k (64 bytes); each half widens into its even-k and odd-k fp32 vectors (a shift and a mask, no
-// shuffle), and every row of x adds in x[k] and x[k+1] as fp32 broadcasts. x stays fp32, so every product is
-// exact, and each column sums its k in order whatever the rows: batch-invariant as the tiles are.
+// a pair of k (64 bytes), taken one k at a time (PAIR_STEPS 2): step 0 widens the even-k halves (a shift), step 1
+// the odd-k halves (a mask), and each row of x adds x[k] (a broadcast) times them by an FMA. x stays fp32, and each
+// column sums its k in order whatever the rows: batch-invariant as the tiles are.
 struct Avx2Pairs : Avx2 {
   struct wreg {
-    __m256 even[2], odd[2];  // columns 0-7 and 8-15
+    __m256 v[2];  // one k's columns 0-7 and 8-15
   };
-  struct xreg {
-    __m256 even, odd;
-  };
-  static constexpr int PANEL_VECS = 2;
-  // Rows of x per pass over the panels: at 4 rows x 1 panel the 8 accumulators, 4 weight and 2 input vectors fill
-  // 14 of the 16 registers. One row reads 4 panels at once (past the registers: the compiler spills, the loads
-  // still bound it) and prefetches each panel's own stream near_prefetch bytes ahead into L1: cold weights on 2 MiB
-  // pages read 1.1-1.2x faster than with 2 panels and whole panels prefetched ahead into L2, at about a plain
-  // sum's rate (Zen 3, two threads, K 1024 split over the threads, K 512 / 1024 a whole expert per thread; the
-  // batch-1 step of the medium Qwen3-MoE 1.07x faster, median of 10 alternated runs). At 2-4 rows more panels or
-  // the near prefetch were no faster, or slower.
-  static constexpr int PAIR_ROWS = 4;
+  static constexpr int PANEL_VECS = 2, PAIR_STEPS = 2;
+  // Rows of x per pass over the panels: 6 rows x 1 panel hold 12 accumulators, 2 weight vectors and one
+  // broadcast, and every weight vector widened serves 6 FMAs: 6 / 5 / 4 rows ran 98 / 93 / 90 GFLOP/s against 60
+  // for 4 rows that added each pair's two products first (mul + fma + add per 16 products; Zen 3, one thread, hot,
+  // K 1024). One row reads 4 panels at once and prefetches each panel's own stream near_prefetch bytes ahead into
+  // L1: cold weights on 2 MiB pages read 1.1-1.2x faster than with 2 panels and whole panels prefetched ahead
+  // into L2, at about a plain sum's rate (Zen 3, two threads). At 2-4 rows more panels or the near prefetch were
+  // no faster, or slower.
+  static constexpr int PAIR_ROWS = 6;
   static constexpr int pair_cols(int rows) { return rows <= 1 ? 4 : 1; }
   static constexpr int64_t near_prefetch(int rows) { return rows <= 1 ? 512 : 0; }
 
-  static wreg load_bf16(const uint16_t* p) {
+  // The panel row at p, widened: its even k (step 0) or its odd k (step 1).
+  static wreg load_pair(const uint16_t* p, int step) {
     const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
     __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-    return {{_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))},
-            {_mm256_castsi256_ps(_mm256_and_si256(lo, mask)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))}};
+    if (step == 0) return {{_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))}};
+    return {{_mm256_castsi256_ps(_mm256_and_si256(lo, mask)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))}};
   }
-  static xreg broadcast_pair(const float* p) { return {_mm256_broadcast_ss(p), _mm256_broadcast_ss(p + 1)}; }
-  // Vector v of the panel: a pair's two products summed first and then added (as vdpbf16ps does), so the chain
-  // through acc is one add per pair of k, not two FMAs, and the add runs beside the FMA pipes.
-  static reg fma_pair(xreg x, const wreg& w, int v, reg acc) {
-    return _mm256_add_ps(acc, _mm256_fmadd_ps(x.odd, w.odd[v], _mm256_mul_ps(x.even, w.even[v])));
-  }
+  static xreg broadcast_pair(const float* p, int step) { return _mm256_broadcast_ss(p + step); }
+  static reg fma_pair(xreg x, const wreg& w, int v, reg acc) { return _mm256_fmadd_ps(x, w.v[v], acc); }
 };
 
 }  // namespace deepinfer

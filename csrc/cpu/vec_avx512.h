@@ -65,8 +65,11 @@ struct Avx512Bf16 : Avx512 {
 
   static xreg load_x(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static wreg load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  // Packed weights: a panel row's pairs in one step (vdpbf16ps adds both products of a pair at once).
+  static constexpr int PAIR_STEPS = 1;
+  static wreg load_pair(const uint16_t* p, int) { return load_bf16(p); }
   // The pair p[0], p[1] in every lane (packed weights' x operand).
-  static xreg broadcast_pair(const uint16_t* p) {
+  static xreg broadcast_pair(const uint16_t* p, int) {
     int32_t pair;
     std::memcpy(&pair, p, sizeof pair);
     return (__m512bh)_mm512_set1_epi32(pair);
