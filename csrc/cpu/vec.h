@@ -66,7 +66,8 @@ struct Avx2Pairs : Avx2 {
     const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
     __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-    if (step == 0) return {{_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))}};
+    if (step == 0)
+      return {{_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))}};
     return {{_mm256_castsi256_ps(_mm256_and_si256(lo, mask)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))}};
   }
   static xreg broadcast_pair(const float* p, int step) { return _mm256_broadcast_ss(p + step); }
