@@ -102,6 +102,25 @@ def test_table_refloors_with_the_sweeps_rates():
     assert "| x | 1 | 4 | 200.0 | 200.0 |" in table.table([p])
 
 
+def test_floor_beside_takes_the_rates_read_after_the_run(monkeypatch):
+    """A point's second floor comes from rates read right after its run, at its own thread count; its rounds merge
+    to the median of their own ratios; a point without a floor gets none beside it."""
+    read = []
+    monkeypatch.setattr(benchmark.roofline, "measure", lambda threads: read.append(threads) or
+                        {"threads": threads, "bandwidth": 2e10, "matmul": 1e12})
+    p = _point("x", 4, 5.0)
+    beside = benchmark.floor_beside(None, {"num_threads": 2}, p["floor"])
+    assert read == [2] and beside["ms"] == pytest.approx(5.0) and beside["bound"] == "memory"
+    assert benchmark.floor_beside(None, {"num_threads": 2}, None) is None and read == [2]
+    rounds = []
+    for rnd, ms, floor_ms in ((1, 200.0, 1000.0), (2, 100.0, 200.0), (3, 400.0, 1000.0)):
+        rounds.append({**p, "round": rnd, "decode_step_ms": ms, "time_over_floor_beside": ms / floor_ms})
+    merged = table.median_point(rounds)
+    assert merged["time_over_floor_beside"] == pytest.approx(0.4)  # of 0.2, 0.5, 0.4: not the median time's 0.2
+    assert "| 200.0 / 100.0 / 400.0 | 5.00 |" in table.table([merged]) and "| 0.40x |" in table.table([merged])
+    assert table.median_point([p])["time_over_floor_beside"] is None
+
+
 def test_config_problems_are_reported_and_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "PEERS_DIR", str(tmp_path))
     monkeypatch.setitem(sweep.PEER_FILES, "vllm", str(tmp_path / "absent"))
@@ -285,6 +304,7 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
         assert p["decode_avg_sps"] == pytest.approx(1000 / p["decode_step_ms"])
         assert sum(v for k, v in p["step_split_ms"].items() if k != "total") == pytest.approx(p["step_split_ms"]["total"])
     assert plain["accepted_tokens_per_step"] is None and plain["floor"]["ms"] > 0 and plain["time_over_floor"] > 0
+    assert plain["floor_beside"] is None and plain["time_over_floor_beside"] is None  # SWEEP_REMEASURE=0
     # 3 decode steps per engine step where the tiny model's layers run in one call (the GEMM plan keeps them on our
     # kernels): the window of 4 then ends after two calls; else one step per call.
     assert plain["measured_steps"] in (4, 6) and spec["measured_steps"] == 4

@@ -10,7 +10,7 @@ import shutil
 
 from deepinfer.docs import DOC, write_section
 from examples.sweep.plot_pareto import plot
-from examples.sweep.table import load_points, machine_notes, not_measured, refloor, table
+from examples.sweep.table import cell, load_points, machine_notes, not_measured, refloor, table
 
 TITLE = "Throughput sweep"
 
@@ -18,13 +18,14 @@ TITLE = "Throughput sweep"
 def ratios(points: list[dict], ours: str, peer: str) -> str:
     """Per batch: both engines' ms/step (run back to back) and their ratio."""
     by = {(p["name"], p["decode_num_requests"]): p for p in points}
-    rows = [f"| batch | {ours} ms/step | {peer} ms/step | {peer} / {ours} | {ours} time / floor | load avg (1 min) at the two runs |",
-            "|---|---|---|---|---|---|"]
+    rows = [f"| batch | {ours} ms/step | {peer} ms/step | {peer} / {ours} | {ours} time / floor | "
+            f"{ours} time / floor beside | load avg (1 min) at the two runs |", "|---|---|---|---|---|---|---|"]
     for b in sorted({p["decode_num_requests"] for p in points}):
         a, h = by.get((ours, b)), by.get((peer, b))
         if a and h:
             rows.append(f"| {b} | {a['decode_step_ms']:.1f} | {h['decode_step_ms']:.1f} | "
                         f"{h['decode_step_ms'] / a['decode_step_ms']:.2f}x | {a['time_over_floor'] or 0:.2f} | "
+                        f"{cell(a.get('time_over_floor_beside'), '{:.2f}')} | "
                         f"{a['machine']['load_avg']:.1f} / {h['machine']['load_avg']:.1f} |")
     return "\n".join(rows)
 

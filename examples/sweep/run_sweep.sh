@@ -39,7 +39,8 @@ while read -r round name <&3; do
 done 3<<< "$runs"
 
 # Measured again after the points and merged (best of both): the table's floors use the merged rates.
-# SWEEP_REMEASURE=0 skips that (the test suite's tiny sweep does).
+# SWEEP_REMEASURE=0 skips that, and each point's rates measured right after its run (floor_beside; the test
+# suite's tiny sweep does).
 [ "${SWEEP_REMEASURE:-1}" = 0 ] || "$PY" -m examples.sweep.roofline --out "$OUT/roofline.json" --merge
 "$PY" -m examples.sweep.table "$OUT" | tee "$OUT/table.md"
 "$PY" -m examples.sweep.plot_pareto "$OUT/points" --out "$OUT/pareto.png"

@@ -152,8 +152,10 @@ def main(argv: list[str]) -> int:
     if name not in pts:
         err(f"sweep: no runnable point {name!r} in {argv[1]}")
         return 2
-    return benchmark.main(pts[name] + ["--round", str(rnd), "--out", point_file(outdir, name, rnd),
-                                       "--roofline", os.path.join(outdir, "roofline.json")])
+    # SWEEP_REMEASURE=0 (run_sweep.sh): the machine's rates are not measured again, beside the points either.
+    beside = ["--no-rates-beside"] if os.environ.get("SWEEP_REMEASURE", "1") == "0" else []
+    return benchmark.main(pts[name] + beside + ["--round", str(rnd), "--out", point_file(outdir, name, rnd),
+                                                "--roofline", os.path.join(outdir, "roofline.json")])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Prints a sweep's points as a markdown table, each with its time over this machine's floor, then
-what was not measured and why.
+"""Prints a sweep's points as a markdown table, each with its time over this machine's floor (at the sweep's best
+rates, and at the rates read right after the point's run: floor beside), then what was not measured and why.
 
     python -m examples.sweep.table OUTDIR
 """
@@ -15,7 +15,8 @@ from examples.sweep.roofline import rates_for
 
 def median_point(rounds: list[dict]) -> dict:
     """One point from its rounds: the median step time (mean of the middle two for an even count), the
-    rates rederived from it; the rest (split, prefill, machine) from the lower-middle round."""
+    rates rederived from it, the median of the rounds' times over their own floor beside (None where no round has
+    one); the rest (split, prefill, machine) from the lower-middle round."""
     by_ms = sorted(rounds, key=lambda p: p["decode_step_ms"])
     p = dict(by_ms[(len(by_ms) - 1) // 2])
     ms = statistics.median(r["decode_step_ms"] for r in rounds)
@@ -23,6 +24,8 @@ def median_point(rounds: list[dict]) -> dict:
     p.update(decode_step_ms=ms, decode_avg_sps=sps, tokens_per_s_per_user=per_user_tps(sps, tokens),
              tokens_per_s_per_rank=per_rank_tps(sps, p["decode_num_requests"], p["dp"], tokens),
              rounds_ms=[r["decode_step_ms"] for r in sorted(rounds, key=lambda r: r.get("round", 1))])
+    beside = [r["time_over_floor_beside"] for r in rounds if r.get("time_over_floor_beside")]
+    p["time_over_floor_beside"] = statistics.median(beside) if beside else None
     if p.get("floor"):
         p["time_over_floor"] = time_over_floor(ms, p["floor"]["ms"])
     return p
@@ -60,7 +63,8 @@ def refloor(points: list[dict], roofline: dict) -> None:
             p["time_over_floor"] = time_over_floor(p["decode_step_ms"], fl["ms"])
 
 
-def _f(x, fmt="{:.1f}") -> str:
+def cell(x, fmt="{:.1f}") -> str:
+    """x formatted for a table cell, "-" for None."""
     return "-" if x is None else fmt.format(x)
 
 
@@ -71,17 +75,17 @@ def row(p: dict) -> str:
     rounds = " / ".join(f"{ms:.1f}" for ms in p.get("rounds_ms", [p["decode_step_ms"]]))
     return (f"| {p['name']} | {p['dp']} | {p['decode_num_requests']} | {p['decode_step_ms']:.1f} | {rounds} | "
             f"{p['decode_avg_sps']:.2f} | {p['tokens_per_s_per_user']:.2f} | {p['tokens_per_s_per_rank']:.1f} | "
-            f"{_f(p.get('accepted_tokens_per_step'), '{:.2f}')} | {_f(fl and fl['ms'])} | "
-            f"{_f(p.get('time_over_floor'), '{:.2f}x')} | {split} | "
-            f"{_f(pre and pre['tokens_per_s'], '{:.0f}')} @ {_f(pre and pre['tokens_per_step'], '{:.0f}')} |")
+            f"{cell(p.get('accepted_tokens_per_step'), '{:.2f}')} | {cell(fl and fl['ms'])} | "
+            f"{cell(p.get('time_over_floor'), '{:.2f}x')} | {cell(p.get('time_over_floor_beside'), '{:.2f}x')} | {split} | "
+            f"{cell(pre and pre['tokens_per_s'], '{:.0f}')} @ {cell(pre and pre['tokens_per_step'], '{:.0f}')} |")
 
 
 def table(points: list[dict]) -> str:
     head = ("| configuration | ranks | batch | decode ms/step (median) | ms/step per round | steps/s | "
             "tok/s per user | tok/s per rank | "
-            "accepted tok/step | floor ms | time / floor | draft / schedule / prep / forward / sampling / output ms | "
-            "prefill tok/s @ tok/step |")
-    return "\n".join([head, "|" + "---|" * 13] + [row(p) for p in points])
+            "accepted tok/step | floor ms | time / floor | time / floor beside | "
+            "draft / schedule / prep / forward / sampling / output ms | prefill tok/s @ tok/step |")
+    return "\n".join([head, "|" + "---|" * 14] + [row(p) for p in points])
 
 
 def machine_notes(pts: list[dict]) -> list[str]:
