@@ -106,12 +106,12 @@ def test_floor_beside_takes_the_rates_read_after_the_run(monkeypatch):
     """A point's second floor comes from rates read right after its run, at its own thread count; its rounds merge
     to the median of their own ratios; a point without a floor gets none beside it."""
     read = []
-    monkeypatch.setattr(benchmark.roofline, "measure", lambda threads: read.append(threads) or
+    monkeypatch.setattr(benchmark, "measure_rates", lambda threads: read.append(threads) or
                         {"threads": threads, "bandwidth": 2e10, "matmul": 1e12})
     p = _point("x", 4, 5.0)
-    beside = benchmark.floor_beside(None, {"num_threads": 2}, p["floor"])
+    beside = benchmark.floor_beside({"num_threads": 2}, p["floor"])
     assert read == [2] and beside["ms"] == pytest.approx(5.0) and beside["bound"] == "memory"
-    assert benchmark.floor_beside(None, {"num_threads": 2}, None) is None and read == [2]
+    assert benchmark.floor_beside({"num_threads": 2}, None) is None and read == [2]
     rounds = []
     for rnd, ms, floor_ms in ((1, 200.0, 1000.0), (2, 100.0, 200.0), (3, 400.0, 1000.0)):
         rounds.append({**p, "round": rnd, "decode_step_ms": ms, "time_over_floor_beside": ms / floor_ms})

@@ -20,8 +20,7 @@ import time
 
 from examples.sweep import metrics, model_cost
 from examples.sweep.errors import PeerMissing, PointError
-from examples.sweep import roofline
-from examples.sweep.roofline import machine, rates_for
+from examples.sweep.roofline import machine, measure as measure_rates, rates_for
 
 ENGINE_OPTIONS = {
     "deepinfer": {"dtype", "kv_cache_dtype", "block_size", "num_threads", "kv_cache_memory",
@@ -89,7 +88,7 @@ def floor_entry(p, opts: dict, roofline: dict | None) -> dict | None:
     return {**cost, **floor, "bandwidth": rates["bandwidth"], "matmul_rate": rates["matmul"], "threads": rates["threads"]}
 
 
-def floor_beside(p, opts: dict, floor: dict | None) -> dict | None:
+def floor_beside(opts: dict, floor: dict | None) -> dict | None:
     """The point's floor again, at rates measured in this process right after the engine's run (the roofline's
     estimator, best of a burst, at the point's thread count). The sweep's floor takes the best rates of the whole
     run, and on a shared host those come from its quietest seconds: two reads of the same machine a minute apart
@@ -97,7 +96,7 @@ def floor_beside(p, opts: dict, floor: dict | None) -> dict | None:
     read beside them are their floor's fair match. None where the point has no floor."""
     if floor is None:
         return None
-    rates = roofline.measure(opts.get("num_threads", 1))
+    rates = measure_rates(opts.get("num_threads", 1))
     return {**metrics.floor_ms(floor["bytes"], floor["flops"], rates["bandwidth"], rates["matmul"]),
             "bandwidth": rates["bandwidth"], "matmul_rate": rates["matmul"], "threads": rates["threads"]}
 
@@ -170,7 +169,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         result = run_engine(p, opts)
         seconds, floor = time.perf_counter() - t, floor_entry(p, opts, roofline)
-        doc = assemble(p, opts, result, floor, seconds, floor_beside(p, opts, floor) if p.rates_beside else None)
+        doc = assemble(p, opts, result, floor, seconds, floor_beside(opts, floor) if p.rates_beside else None)
     except PeerMissing as exc:
         return not_measured(p, f"peer {exc} not set up (run examples/peers/setup_peers.sh)", 3)
     except (PointError, ValueError) as exc:
