@@ -121,6 +121,12 @@ def test_floor_beside_takes_the_rates_read_after_the_run(monkeypatch):
     assert table.median_point([p])["time_over_floor_beside"] is None
 
 
+def test_rates_beside_that_cannot_be_read_leave_no_floor_beside(monkeypatch, capsys):
+    monkeypatch.setattr(benchmark.sys, "executable", "false")  # the roofline's process exits 1
+    assert benchmark.floor_beside({"num_threads": 1}, _point("x", 4, 5.0)["floor"]) is None
+    assert "benchmark: no floor beside" in capsys.readouterr().err
+
+
 def test_config_problems_are_reported_and_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "PEERS_DIR", str(tmp_path))
     monkeypatch.setitem(sweep.PEER_FILES, "vllm", str(tmp_path / "absent"))

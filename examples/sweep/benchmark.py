@@ -15,12 +15,14 @@ its reason in OUT with .failed for .json (the sweep's table lists it); a measure
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 from examples.sweep import metrics, model_cost
 from examples.sweep.errors import PeerMissing, PointError
-from examples.sweep.roofline import machine, measure as measure_rates, rates_for
+from examples.sweep.roofline import machine, rates_for
 
 ENGINE_OPTIONS = {
     "deepinfer": {"dtype", "kv_cache_dtype", "block_size", "num_threads", "kv_cache_memory",
@@ -30,6 +32,7 @@ ENGINE_OPTIONS = {
     "vllm": {"dtype", "num_threads"},
     "llamacpp": {"outtype", "num_threads"},
 }
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAKERS = {"medium_qwen3_moe": "examples.make_medium_qwen3_moe", "medium_v4": "examples.make_medium_v4"}
 
 
@@ -88,15 +91,30 @@ def floor_entry(p, opts: dict, roofline: dict | None) -> dict | None:
     return {**cost, **floor, "bandwidth": rates["bandwidth"], "matmul_rate": rates["matmul"], "threads": rates["threads"]}
 
 
+def measure_rates(threads: int) -> dict | None:
+    """The roofline's rates at `threads` (examples/sweep/roofline.py), read in a fresh process: the same conditions
+    after every engine, in-process or not (nothing else loaded, torch's default OpenMP policy). None, with the
+    reason printed, where that process fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rates.json")
+        run = subprocess.run([sys.executable, "-m", "examples.sweep.roofline", "--threads", str(threads), "--out", out],
+                             cwd=ROOT, capture_output=True, text=True)
+        if run.returncode != 0:
+            print(f"benchmark: no floor beside ({run.stderr.strip().splitlines()[-1:]})", file=sys.stderr)
+            return None
+        with open(out) as f:
+            return json.load(f)["rates"][0]
+
+
 def floor_beside(opts: dict, floor: dict | None) -> dict | None:
-    """The point's floor again, at rates measured in this process right after the engine's run (the roofline's
-    estimator, best of a burst, at the point's thread count). The sweep's floor takes the best rates of the whole
+    """The point's floor again, at rates read right after the engine's run (measure_rates: the roofline's estimator,
+    best of a burst, at the point's thread count). The sweep's floor takes the best rates of the whole
     run, and on a shared host those come from its quietest seconds: two reads of the same machine a minute apart
     gave 35.6 and 47.2 GB/s (Zen 3, two threads). The step times of a point come from its own seconds; the rates
     read beside them are their floor's fair match. None where the point has no floor."""
-    if floor is None:
+    rates = measure_rates(opts.get("num_threads", 1)) if floor else None
+    if rates is None:
         return None
-    rates = measure_rates(opts.get("num_threads", 1))
     return {**metrics.floor_ms(floor["bytes"], floor["flops"], rates["bandwidth"], rates["matmul"]),
             "bandwidth": rates["bandwidth"], "matmul_rate": rates["matmul"], "threads": rates["threads"]}
 
