@@ -55,11 +55,13 @@ struct Avx2Pairs : Avx2 {
   // for 4 rows that added each pair's two products first (mul + fma + add per 16 products; Zen 3, one thread, hot,
   // K 1024). One row reads 4 panels at once and prefetches each panel's own stream near_prefetch bytes ahead into
   // L1: cold weights on 2 MiB pages read 1.1-1.2x faster than with 2 panels and whole panels prefetched ahead
-  // into L2, at about a plain sum's rate (Zen 3, two threads). At 2-4 rows more panels or the near prefetch were
-  // no faster, or slower.
+  // into L2, at about a plain sum's rate (Zen 3, two threads). Two rows read 2 panels the same way (8 accumulators):
+  // experts of 2 rows, cold, 15-17 -> 19-20 GB/s at one thread and 27-28 -> 31-32 at two against one panel with
+  // whole panels prefetched into L2 (Zen 3, runs alternated); at 3-4 rows two panels (or the near prefetch on one)
+  // read slower, and one panel stays.
   static constexpr int PAIR_ROWS = 6;
-  static constexpr int pair_cols(int rows) { return rows <= 1 ? 4 : 1; }
-  static constexpr int64_t near_prefetch(int rows) { return rows <= 1 ? 512 : 0; }
+  static constexpr int pair_cols(int rows) { return rows <= 1 ? 4 : rows == 2 ? 2 : 1; }
+  static constexpr int64_t near_prefetch(int rows) { return rows <= 2 ? 512 : 0; }
 
   // The panel row at p, widened: its even k (step 0) or its odd k (step 1).
   static wreg load_pair(const uint16_t* p, int step) {
