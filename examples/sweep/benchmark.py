@@ -109,8 +109,8 @@ def measure_rates(threads: int) -> dict | None:
 def floor_beside(opts: dict, floor: dict | None) -> dict | None:
     """The point's floor again, at rates read right after the engine's run (measure_rates: the roofline's estimator,
     best of a burst, at the point's thread count). The sweep's floor takes the best rates of the whole
-    run, and on a shared host those come from its quietest seconds: two reads of the same machine a minute apart
-    gave 35.6 and 47.2 GB/s (Zen 3, two threads). The step times of a point come from its own seconds; the rates
+    run, and on a shared host those come from its quietest seconds: two roofline runs back to back on one machine
+    read 35.6 and 47.2 GB/s (Zen 3, two threads). The step times of a point come from its own seconds; the rates
     read beside them are their floor's fair match. None where the point has no floor."""
     rates = measure_rates(opts.get("num_threads", 1)) if floor else None
     if rates is None:
