@@ -86,9 +86,13 @@ def floor_entry(p, opts: dict, roofline: dict | None) -> dict | None:
     wbytes = 4 if opts.get("dtype", "bfloat16") in ("float32", "fp32") else 2
     kv = 0.5625 if opts.get("kv_cache_dtype") == "fp4" else wbytes  # fp4 values + one 8-bit scale per 16
     cost = model_cost.decode_step_cost(s, p.batch, p.context + p.warmup + p.steps / 2, wbytes, kv)
-    rates = rates_for(roofline, opts.get("num_threads", 1))
-    floor = metrics.floor_ms(cost["bytes"], cost["flops"], rates["bandwidth"], rates["matmul"])
-    return {**cost, **floor, "bandwidth": rates["bandwidth"], "matmul_rate": rates["matmul"], "threads": rates["threads"]}
+    return {**cost, **floor_at(cost, rates_for(roofline, opts.get("num_threads", 1)))}
+
+
+def floor_at(cost: dict, rates: dict) -> dict:
+    """The floor of a step of cost["bytes"] and cost["flops"] at one roofline entry's rates, and those rates."""
+    return {**metrics.floor_ms(cost["bytes"], cost["flops"], rates["bandwidth"], rates["matmul"]),
+            "bandwidth": rates["bandwidth"], "matmul_rate": rates["matmul"], "threads": rates["threads"]}
 
 
 def measure_rates(threads: int) -> dict | None:
@@ -113,10 +117,7 @@ def floor_beside(opts: dict, floor: dict | None) -> dict | None:
     read 35.6 and 47.2 GB/s (Zen 3, two threads). The step times of a point come from its own seconds; the rates
     read beside them are their floor's fair match. None where the point has no floor."""
     rates = measure_rates(opts.get("num_threads", 1)) if floor else None
-    if rates is None:
-        return None
-    return {**metrics.floor_ms(floor["bytes"], floor["flops"], rates["bandwidth"], rates["matmul"]),
-            "bandwidth": rates["bandwidth"], "matmul_rate": rates["matmul"], "threads": rates["threads"]}
+    return floor_at(floor, rates) if rates else None
 
 
 def assemble(p, opts: dict, result: dict, floor: dict | None, seconds: float, beside: dict | None = None) -> dict:
