@@ -415,6 +415,36 @@ def test_sample_kernel_draws_the_reference_tokens():
         assert torch.equal(cpu_ops.sample(logits, *args), sample_ref(logits, *args)), (top_k, top_p, min_p)
 
 
+@pytest.mark.parametrize("V", [1003, 32000])
+def test_sample_kernel_draws_the_reference_tokens_where_its_shortcuts_are_tight(V):
+    """The kernel scores tokens with vector logs and re-scores only those near the best, and finds thresholds in
+    bins of z: rows made to stress both, against the reference token for token. Logits on the bins' 1/16 grid
+    (ties at every bin edge and at the top-k / top-p thresholds), huge scores (an ulp above the Gumbel error),
+    flat rows (every token a candidate), spreads past the last bin, and peaked rows."""
+    from tilelang_ops.sampling import sample_ref
+
+    g = torch.Generator().manual_seed(3)
+    grid = torch.randint(-64, 1, (6, V), generator=g) / 16.0
+    cases = [(grid, 1.0, k, p, m) for k, p, m in [(0, 1.0, 0), (10, 1.0, 0), (100, 1.0, 0), (0, 0.5, 0), (0, 0.9, 0),
+                                                  (37, 0.7, 0), (0, 1.0, 0.3)]]
+    cases += [(torch.randn(6, V, generator=g) * 1000, 0.05, k, p, 0) for k, p in [(0, 1.0), (5, 1.0), (0, 0.9)]]
+    cases += [(torch.zeros(6, V), 1.0, k, p, 0) for k, p in [(0, 1.0), (7, 1.0), (0, 0.3)]]
+    cases += [(torch.randn(6, V, generator=g) * 40, 1.0, k, p, 0) for k, p in [(0, 0.999999), (300, 1.0)]]
+    cases += [(torch.randn(6, V, generator=g) * 10, 0.7, k, p, m) for k, p, m in [(50, 0.95, 0), (0, 0.95, 0.01)]]
+    for logits, temperature, top_k, top_p, min_p in cases:
+        B = logits.shape[0]
+        args = (torch.full((B,), temperature), torch.full((B,), top_k, dtype=torch.int64),
+                torch.full((B,), float(top_p)), torch.full((B,), float(min_p)),
+                torch.randint(0, 2 ** 62, (B,), generator=g), torch.randint(0, 1000, (B,), generator=g))
+        assert torch.equal(cpu_ops.sample(logits, *args), sample_ref(logits, *args)), (temperature, top_k, top_p)
+
+
+def test_sample_kernel_vector_gumbel_noise_stays_within_its_bound():
+    """The exactness of the draw rests on the vector Gumbel noise staying within GUMBEL_ERROR of the C library's
+    (sampling.h): checked over all 2^23 uniforms, with room to spare for another libm."""
+    assert _C.gumbel_approx_error() < _C.GUMBEL_ERROR / 4
+
+
 @pytest.mark.parametrize("B, V", [(1, 1), (3, 31), (4, 32), (5, 33), (64, 1000)])
 def test_apply_token_mask_equals_the_reference(B, V):
     """The dispatch point's CPU kernel against tilelang_ops' torch reference: random words, all-clear and

@@ -342,6 +342,9 @@ void bind_cpu_kernels(py::module_& m) {
       },
       py::call_guard<py::gil_scoped_release>(),
       "tokens [B] int64 = tilelang_ops.sampling.sample_ref's draw from logits [B,V] fp32 and per-row parameters");
+  m.def("gumbel_approx_error", &gumbel_approx_error, py::call_guard<py::gil_scoped_release>(),
+        "largest |vector - C library| Gumbel noise over all 2^23 uniforms of the draw (bound: GUMBEL_ERROR)");
+  m.attr("GUMBEL_ERROR") = kGumbelError;
   m.def(
       "apply_token_mask",
       [](uintptr_t logits, uintptr_t bitmask, int64_t B, int64_t V, int threads) {

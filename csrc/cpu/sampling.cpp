@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/simd.h"
 #include "cpu/thread_pool.h"
 
 namespace deepinfer {
@@ -66,16 +67,36 @@ int32_t ordered_key(float z) {
   return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
 
+// The hash's 23 bits as a uniform in (0, 1), exact in fp32.
+float uniform(uint32_t h) { return (static_cast<float>(h >> 9) + 0.5f) * (1.0f / 8388608.0f); }
+
 // g = -log(-log(u)) of the hashed uniform u of (row hash, token), as gumbel_ref computes it in fp32.
 float gumbel(uint32_t row, int64_t token) {
-  const uint32_t h = mix32(row ^ mix32(static_cast<uint32_t>(token)));
-  const float u = (static_cast<float>(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
-  return -std::log(-std::log(u));
+  return -std::log(-std::log(uniform(mix32(row ^ mix32(static_cast<uint32_t>(token))))));
 }
 
-// No uniform exceeds 1 - 2^-24, so no g exceeds -log(-log(1 - 2^-24)) = 16.64: a token whose z is this far below
-// the best score so far cannot win, and its two logs are skipped.
-constexpr float kGumbelMax = 17.0f;
+__m256i mix32x8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0x846CA68Bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// -log(-log(u)) with log8 for the two logs.
+__m256 gumbel_of8(__m256 u) {
+  const __m256 neg = _mm256_set1_ps(-0.0f);
+  return _mm256_xor_ps(log8(_mm256_xor_ps(log8(u), neg)), neg);
+}
+
+// gumbel() of tokens v..v+7, within kGumbelError of it.
+__m256 gumbel8(__m256i row, int32_t v) {
+  const __m256i tokens = _mm256_add_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i h = mix32x8(_mm256_xor_si256(row, mix32x8(tokens)));
+  const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 9)), _mm256_set1_ps(0.5f)),
+                                 _mm256_set1_ps(1.0f / 8388608.0f));
+  return gumbel_of8(u);
+}
 
 struct SampleParams {
   float temperature, top_p, min_p;
@@ -83,72 +104,235 @@ struct SampleParams {
   uint32_t row_hash;
 };
 
-// The largest key t with cumulative mass (in descending key order) reaching target, among kept tokens; the
-// smallest kept key when rounding leaves the total short (keep all), as _top_p_key does.
-int32_t top_p_key(std::vector<std::pair<int32_t, float>>& kept, float target) {
-  auto desc = [](const std::pair<int32_t, float>& a, const std::pair<int32_t, float>& b) { return a.first > b.first; };
-  size_t sorted = std::min<size_t>(kept.size(), 1024);  // the reference's TOP_P_FIRST: most rows stop early
-  for (;;) {
-    std::partial_sort(kept.begin(), kept.begin() + sorted, kept.end(), desc);
-    float mass = 0.0f;
-    for (size_t i = 0; i < sorted; ++i) {
-      mass += kept[i].second;
-      if (mass >= target) return kept[i].first;
+// z = x / temperature (the reference's fp32 division) -> max z.
+float scale(const float* x, int64_t V, float temperature, float* z) {
+  const __m256 t = _mm256_set1_ps(temperature);
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 q = _mm256_div_ps(_mm256_loadu_ps(x + v), t);
+    _mm256_storeu_ps(z + v, q);
+    top = _mm256_max_ps(top, q);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float zmax = *std::max_element(lanes, lanes + 8);
+  for (; v < V; ++v) zmax = std::max(zmax, z[v] = x[v] / temperature);
+  return zmax;
+}
+
+// The filters select thresholds among tokens bucketed by z (16 bins per unit below the max, the last bin all
+// further below), so only the one bin holding a threshold is sorted: a full sort of a 32k row cost ~0.6 ms.
+// Keys fall as bins rise. Bin kDropped holds the tokens already at -inf.
+constexpr int kBinsPerUnit = 16, kBins = 1024, kDropped = kBins;
+
+struct Bins {
+  int64_t count[kBins];
+  float mass[kBins];
+  int last;  // the last bin with a kept token
+};
+
+// A row's buffers, kept per thread: allocating them per call page-faults on every step.
+struct RowScratch {
+  std::vector<float> z, aux;  // [V]: scaled logits; masses, then approximate scores
+  std::vector<int32_t> bin;   // [V]: each token's bin
+  std::vector<std::pair<int32_t, float>> members;  // (key, mass) of one bin's kept tokens
+  int32_t count[4][kBins + 1];  // four partial histograms: a run of tokens in one bin is not one chain of adds
+  float mass[4][kBins + 1];
+  Bins bins;
+};
+
+int bin_of(float z, float zmax) {
+  return static_cast<int>(std::min((zmax - z) * kBinsPerUnit, static_cast<float>(kBins - 1)));
+}
+
+__m256i keys8(__m256 z) {
+  const __m256i b = _mm256_castps_si256(z);
+  return _mm256_xor_si256(b, _mm256_and_si256(_mm256_srai_epi32(b, 31), _mm256_set1_epi32(0x7FFFFFFF)));
+}
+
+// r.bins from r.bin and r.aux: four partial sums per bin, each in token order, added in a fixed order.
+void histogram(int64_t V, RowScratch& r) {
+  std::memset(r.count, 0, sizeof r.count);
+  std::memset(r.mass, 0, sizeof r.mass);
+  int64_t v = 0;
+  for (; v + 4 <= V; v += 4)
+    for (int c = 0; c < 4; ++c) {
+      r.count[c][r.bin[v + c]] += 1;
+      r.mass[c][r.bin[v + c]] += r.aux[v + c];
     }
-    if (sorted == kept.size()) return kept.back().first;
-    sorted = kept.size();
+  for (; v < V; ++v) {
+    r.count[0][r.bin[v]] += 1;
+    r.mass[0][r.bin[v]] += r.aux[v];
+  }
+  Bins& bins = r.bins;
+  bins.last = 0;
+  for (int b = 0; b < kBins; ++b) {
+    bins.count[b] = r.count[0][b] + r.count[1][b] + r.count[2][b] + r.count[3][b];
+    bins.mass[b] = ((r.mass[0][b] + r.mass[1][b]) + r.mass[2][b]) + r.mass[3][b];
+    if (bins.count[b]) bins.last = b;
   }
 }
 
-int64_t sample_row(const float* x, int64_t V, const SampleParams& p, std::vector<float>& z, std::vector<uint8_t>& keep,
-                   std::vector<std::pair<int32_t, float>>& kept) {
+// Drops min-p's tokens (z = -inf) and bins every token: masses exp(z - zmax) (exp8) where min-p or top-p needs
+// them (else 1), bin indices, then the histograms.
+void bin_tokens(float* z, int64_t V, float zmax, const SampleParams& p, bool masses, RowScratch& r) {
+  const __m256 top = _mm256_set1_ps(zmax), min_p = _mm256_set1_ps(p.min_p), ninf = _mm256_set1_ps(-INFINITY);
+  const __m256 scale = _mm256_set1_ps(kBinsPerUnit), last = _mm256_set1_ps(kBins - 1);
+  const int64_t vector_end = V / 8 * 8;
+  for (int64_t v = 0; v < vector_end; v += 8) {
+    __m256 x = _mm256_loadu_ps(z + v);
+    const __m256 m = masses ? exp8(_mm256_sub_ps(x, top)) : _mm256_set1_ps(1.0f);
+    x = _mm256_blendv_ps(x, ninf, _mm256_cmp_ps(m, min_p, _CMP_LT_OQ));
+    const __m256i b = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(top, x), scale), last));
+    const __m256 dropped = _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ);
+    _mm256_storeu_ps(z + v, x);
+    _mm256_storeu_ps(r.aux.data() + v, m);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.bin.data() + v),
+                        _mm256_blendv_epi8(b, _mm256_set1_epi32(kDropped), _mm256_castps_si256(dropped)));
+  }
+  for (int64_t v = vector_end; v < V; ++v) {
+    const float m = masses ? std::exp(z[v] - zmax) : 1.0f;
+    if (m < p.min_p) z[v] = -INFINITY;
+    r.aux[v] = m;
+    r.bin[v] = z[v] == -INFINITY ? kDropped : bin_of(z[v], zmax);
+  }
+  histogram(V, r);
+}
+
+// (key, mass) of bin b's tokens with key >= floor, in r.members, sorted by key, descending.
+void bin_members(const float* z, int64_t V, int b, int32_t floor, RowScratch& r) {
+  r.members.clear();
+  const __m256i want = _mm256_set1_epi32(b);
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.bin.data() + v));
+    for (int hits = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(at, want))); hits; hits &= hits - 1) {
+      const int64_t t = v + __builtin_ctz(hits);
+      if (ordered_key(z[t]) >= floor) r.members.emplace_back(ordered_key(z[t]), r.aux[t]);
+    }
+  }
+  for (; v < V; ++v)
+    if (r.bin[v] == b && ordered_key(z[v]) >= floor) r.members.emplace_back(ordered_key(z[v]), r.aux[v]);
+  std::sort(r.members.begin(), r.members.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
+}
+
+// The k-th largest kept key (k <= kept tokens); r.bins then counts and masses only the tokens at or above it.
+int32_t top_k_key(const float* z, int64_t V, int64_t k, RowScratch& r) {
+  Bins& bins = r.bins;
+  int b = 0;
+  for (; bins.count[b] < k; ++b) k -= bins.count[b];
+  bin_members(z, V, b, INT32_MIN, r);
+  const int32_t key = r.members[k - 1].first;
+  while (k < static_cast<int64_t>(r.members.size()) && r.members[k].first == key) ++k;  // ties are kept
+  bins.count[b] = k;
+  bins.mass[b] = 0.0f;
+  for (int64_t i = 0; i < k; ++i) bins.mass[b] += r.members[i].second;
+  bins.last = b;
+  return key;
+}
+
+// The largest key t whose cumulative mass (in descending key order) over the kept tokens at or above floor
+// reaches top_p of their total; the smallest such key when rounding leaves the sum short (keep all). Bins sum
+// their masses in token order, so t can differ from the reference's sorted sum where it falls within rounding.
+int32_t top_p_key(const float* z, int64_t V, float top_p, int32_t floor, RowScratch& r) {
+  const Bins& bins = r.bins;
+  float total = 0.0f;
+  for (int b = 0; b <= bins.last; ++b) total += bins.mass[b];
+  const float target = top_p * total;
+  float cum = 0.0f;
+  for (int b = 0;; ++b) {
+    if (b < bins.last && cum + bins.mass[b] < target) {
+      cum += bins.mass[b];
+      continue;
+    }
+    bin_members(z, V, b, floor, r);
+    for (const auto& m : r.members)
+      if ((cum += m.second) >= target) return m.first;
+    if (b == bins.last) return r.members.back().first;  // bin sums reached the target, the sorted sum did not
+  }
+}
+
+// z = -inf where the key is below threshold.
+void drop_below(float* z, int64_t V, int32_t threshold) {
+  const __m256i t = _mm256_set1_epi32(threshold);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 x = _mm256_loadu_ps(z + v);
+    _mm256_storeu_ps(z + v, _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(_mm256_cmpgt_epi32(t, keys8(x)))));
+  }
+  for (; v < V; ++v)
+    if (ordered_key(z[v]) < threshold) z[v] = -INFINITY;
+}
+
+// The min-p, top-k and top-p filters of the module rule: z[v] = -inf for every token they drop.
+void filter(float* z, int64_t V, float zmax, const SampleParams& p, RowScratch& r) {
+  const bool filter_k = p.top_k > 0 && p.top_k < V, filter_p = p.top_p < 1.0f;
+  if (!filter_k && !filter_p && p.min_p <= 0) return;
+  bin_tokens(z, V, zmax, p, p.min_p > 0 || filter_p, r);
+  int64_t kept = 0;
+  for (int b = 0; b <= r.bins.last; ++b) kept += r.bins.count[b];
+  int32_t threshold = INT32_MIN;
+  if (filter_k && kept >= p.top_k) threshold = top_k_key(z, V, p.top_k, r);
+  if (filter_p) threshold = std::max(threshold, top_p_key(z, V, p.top_p, threshold, r));
+  if (threshold != INT32_MIN) drop_below(z, V, threshold);
+}
+
+// First argmax of gumbel(row, v) + z[v] over the tokens with z above -inf (at least one). The C library's two
+// logs per token cost ~25 ns; gumbel8 scores every token first (approx [V]), and only the tokens within twice
+// the error bound of the best approximate score, which include the exact winner, are scored with gumbel().
+int64_t gumbel_argmax(const float* z, int64_t V, uint32_t row_hash, float* approx) {
+  const __m256i row = _mm256_set1_epi32(static_cast<int32_t>(row_hash));
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  const int64_t vector_end = V <= INT32_MAX ? V / 8 * 8 : 0;
+  auto approximate = [&](int64_t v) {
+    const __m256 s = _mm256_add_ps(_mm256_loadu_ps(z + v), gumbel8(row, static_cast<int32_t>(v)));
+    _mm256_storeu_ps(approx + v, s);
+    return s;
+  };
+  int64_t v = 0;
+  for (; v + 16 <= vector_end; v += 16)  // two independent polynomial chains at a time
+    top = _mm256_max_ps(top, _mm256_max_ps(approximate(v), approximate(v + 8)));
+  if (v < vector_end) top = _mm256_max_ps(top, approximate(v));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  const float best_approx = *std::max_element(lanes, lanes + 8);
+  // Scores are rounded to fp32 twice (exact and approximate): an ulp of the score on top of the Gumbel error.
+  const float cut = best_approx - 2 * (kGumbelError + 2.4e-7f * std::fabs(best_approx));
+  float best = -INFINITY;
+  int64_t tok = -1;
+  auto score = [&](int64_t v) {
+    const float s = gumbel(row_hash, v) + z[v];
+    if (s > best) {  // tokens come in order: ties go to the first
+      best = s;
+      tok = v;
+    }
+  };
+  const __m256 cut8 = _mm256_set1_ps(cut);
+  for (int64_t v = 0; v < vector_end; v += 8)
+    for (int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(approx + v), cut8, _CMP_GE_OQ)); hits;
+         hits &= hits - 1)
+      score(v + __builtin_ctz(hits));
+  for (int64_t v = vector_end; v < V; ++v)
+    if (z[v] != -INFINITY) score(v);
+  return tok;
+}
+
+int64_t sample_row(const float* x, int64_t V, const SampleParams& p, RowScratch& r) {
   if (p.temperature <= 0) {
     int64_t best = 0;
     for (int64_t v = 1; v < V; ++v)
       if (x[v] > x[best]) best = v;
     return x[best] == -INFINITY ? -1 : best;
   }
-  z.resize(V);
-  keep.assign(V, 0);
-  float zmax = -INFINITY;
-  for (int64_t v = 0; v < V; ++v) zmax = std::max(zmax, z[v] = x[v] / p.temperature);
+  r.z.resize(V);
+  r.aux.resize(V);
+  r.bin.resize(V);
+  const float zmax = scale(x, V, p.temperature, r.z.data());
   if (zmax == -INFINITY) return -1;
-  const bool filter_k = p.top_k > 0 && p.top_k < V, filter_p = p.top_p < 1.0f;
-  kept.clear();
-  for (int64_t v = 0; v < V; ++v) {
-    if (z[v] == -INFINITY) continue;
-    const float mass = (p.min_p > 0 || filter_p) ? std::exp(z[v] - zmax) : 1.0f;
-    if (mass < p.min_p) continue;
-    keep[v] = 1;
-    if (filter_k || filter_p) kept.emplace_back(ordered_key(z[v]), mass);
-  }
-  int32_t threshold = INT32_MIN;
-  if (filter_k && static_cast<int64_t>(kept.size()) >= p.top_k) {
-    std::nth_element(kept.begin(), kept.begin() + (p.top_k - 1), kept.end(),
-                     [](const auto& a, const auto& b) { return a.first > b.first; });
-    threshold = kept[p.top_k - 1].first;
-    kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const auto& k) { return k.first < threshold; }),
-               kept.end());
-  }
-  if (filter_p) {
-    float total = 0.0f;
-    for (const auto& k : kept) total += k.second;
-    threshold = std::max(threshold, top_p_key(kept, p.top_p * total));
-  }
-  // Seed the best score with the highest z (it is always kept) so that far-behind tokens skip their logs;
-  // ties still go to the lowest index, as argmax's.
-  const int64_t top = std::max_element(z.begin(), z.end()) - z.begin();
-  float best = gumbel(p.row_hash, top) + z[top];
-  int64_t tok = top;
-  for (int64_t v = 0; v < V; ++v) {
-    if (!keep[v] || ordered_key(z[v]) < threshold || z[v] + kGumbelMax < best) continue;
-    const float score = gumbel(p.row_hash, v) + z[v];
-    if (score > best || (score == best && v < tok)) {
-      best = score;
-      tok = v;
-    }
-  }
-  return tok;
+  filter(r.z.data(), V, zmax, p, r);
+  return gumbel_argmax(r.z.data(), V, p.row_hash, r.aux.data());
 }
 
 }  // namespace
@@ -157,17 +341,26 @@ void sample_tokens(const float* logits, int64_t B, int64_t V, const float* tempe
                    const float* top_p, const float* min_p, const int64_t* seeds, const int64_t* offsets,
                    int64_t* tokens, int num_threads) {
   parallel_ranges(B, threads_for(B * V * 8, num_threads, 1 << 20), [&](int64_t b0, int64_t b1) {
-    std::vector<float> z;
-    std::vector<uint8_t> keep;
-    std::vector<std::pair<int32_t, float>> kept;
+    static thread_local RowScratch scratch;
     for (int64_t b = b0; b < b1; ++b) {
       const uint64_t seed = static_cast<uint64_t>(seeds[b]);
       const uint32_t row = mix32(mix32(mix32(static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(seed >> 32)) ^
                                  static_cast<uint32_t>(static_cast<uint64_t>(offsets[b])));
       const SampleParams p{temperature[b], top_p[b], min_p[b], top_k[b], row};
-      tokens[b] = V == 0 ? -1 : sample_row(logits + b * V, V, p, z, keep, kept);
+      tokens[b] = V == 0 ? -1 : sample_row(logits + b * V, V, p, scratch);
     }
   });
+}
+
+float gumbel_approx_error() {
+  float worst = 0.0f;
+  alignas(32) float u[8], approx[8];
+  for (uint32_t h = 0; h < (1u << 23); h += 8) {
+    for (int l = 0; l < 8; ++l) u[l] = uniform((h + l) << 9);
+    _mm256_store_ps(approx, gumbel_of8(_mm256_load_ps(u)));
+    for (int l = 0; l < 8; ++l) worst = std::max(worst, std::fabs(approx[l] + std::log(-std::log(u[l]))));
+  }
+  return worst;
 }
 
 void greedy_tokens(const float* logits, int64_t B, int64_t V, int64_t* tokens, int num_threads) {
