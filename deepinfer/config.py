@@ -41,7 +41,7 @@ class EngineConfig:
     prefix_cache: str | dict | None = None  # engine/prefix_cache.py
     state_transfer: str = "auto"  # engine/kv_transfer.py: how a handoff's StateBlock travels
     async_scheduling: bool = False  # engine/llm_engine.py: schedule decode step N+1 while step N runs
-    num_scheduler_steps: int = 1  # engine/llm_engine.py: greedy decode steps run back to back in one C++ call
+    num_scheduler_steps: int = 1  # engine/llm_engine.py: decode steps run back to back in one C++ call
 
     @staticmethod
     def default_num_threads() -> int:

@@ -47,11 +47,11 @@ class LLM:
     async_scheduling: decode step N+1 is scheduled while step N's forward runs on a worker thread, and step N's
     outputs are processed while step N+1's runs (same tokens as without; not with speculative=...). Off by
     default: on CPUs the forward and Python's output processing share cores and the GIL (docs/benchmarks.md).
-    num_scheduler_steps: k > 1 runs up to k decode steps back to back in one C++ call (schedule, forward, greedy
-    draw, stop checks) while every running request draws greedily with nothing wanted per step in Python (no
-    stop strings, logprobs, logits processors or structured outputs; others run one step per call), so a
-    batch-1 step pays Python's share once per k steps; engine.step() then returns the outputs of up to k steps.
-    Same tokens as k = 1; not with speculative=... or async_scheduling=True."""
+    num_scheduler_steps: k > 1 runs up to k decode steps back to back in one C++ call (schedule, forward, draw,
+    stop checks) while every running request draws greedily or samples (temperature, top-k, top-p, min-p) with
+    nothing wanted per step in Python (no stop strings, logprobs, logits processors or structured outputs; others
+    run one step per call), so a batch-1 step pays Python's share once per k steps; engine.step() then returns
+    the outputs of up to k steps. Same tokens as k = 1; not with speculative=... or async_scheduling=True."""
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,

@@ -1,6 +1,7 @@
-"""LLM(num_scheduler_steps=k): greedy decode steps run back to back in one C++ call (csrc/engine/decode_loop.h).
-The same tokens, finish reasons, preemptions, step counts and expert load as one step per call; fewer calls;
-requests that need Python per step (stop strings, logprobs, sampling) and arrivals mid-run fall back to it."""
+"""LLM(num_scheduler_steps=k): decode steps, greedy or sampled, run back to back in one C++ call
+(csrc/engine/decode_loop.h). The same tokens, finish reasons, preemptions, step counts and expert load as one
+step per call; fewer calls; requests that need Python per step (stop strings, logprobs) and arrivals mid-run fall
+back to it."""
 import pytest
 import torch
 
@@ -12,12 +13,14 @@ from tests.conftest import our_expert_paths, our_kernel_path
 @pytest.fixture
 def kernels(monkeypatch):
     """Every linear and expert on our kernels, as the one-call decode step needs (a loaded host's timed plan could
-    pick torch for a tiny shape); counts the greedy calls: [(kind, max_steps)]."""
+    pick torch for a tiny shape); counts the one-call steps: [(kind, max_steps)], kind "one" (greedy, one step),
+    "loop" (greedy run) or "sampled loop"."""
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     monkeypatch.setattr(gemm_plan.PLAN, "expert_paths", our_expert_paths)
-    calls, one, steps = [], cpu_ops.decode_greedy, cpu_ops.decode_greedy_steps
+    calls, one, steps = [], cpu_ops.decode_greedy, cpu_ops.decode_steps
     monkeypatch.setattr(cpu_ops, "decode_greedy", lambda *a: calls.append(("one", 1)) or one(*a))
-    monkeypatch.setattr(cpu_ops, "decode_greedy_steps", lambda *a: calls.append(("loop", a[3])) or steps(*a))
+    monkeypatch.setattr(cpu_ops, "decode_steps",
+                        lambda *a: calls.append(("loop" if a[4] is None else "sampled loop", a[3])) or steps(*a))
     return calls
 
 
@@ -45,22 +48,35 @@ def mixed_params(n: int) -> list[SamplingParams]:
                            stop_token_ids=[17] if i == 1 else None) for i in range(n)]
 
 
-def test_back_to_back_steps_equal_one_step_per_call(tiny_qwen3_moe, kernels):
+def sampled_params(n: int) -> list[SamplingParams]:
+    """mixed_params drawn with each of the sampler's filters (seeded, and one from the engine's seed), and one
+    greedy row among them."""
+    filters = [dict(temperature=0.8, seed=5), dict(temperature=1.2, top_k=7, seed=6), dict(temperature=0),
+               dict(temperature=0.9, top_p=0.8), dict(temperature=0.7, min_p=0.1, top_k=20, top_p=0.9, seed=8)]
+    return [SamplingParams(max_tokens=p.max_tokens, ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids,
+                           **filters[i % len(filters)]) for i, p in enumerate(mixed_params(n))]
+
+
+@pytest.mark.parametrize("params, loop", [(mixed_params, "loop"), (sampled_params, "sampled loop")])
+def test_back_to_back_steps_equal_one_step_per_call(tiny_qwen3_moe, kernels, params, loop):
     ps = prompts(5)
     ref_llm = engine(tiny_qwen3_moe, 1)
-    ref = summary(ref_llm, ref_llm.generate(ps, mixed_params(5), use_tqdm=False))
-    assert {kind for kind, _ in kernels} == {"one"} and len(kernels) == ref[1]
+    ref = summary(ref_llm, ref_llm.generate(ps, params(5), use_tqdm=False))
+    assert {kind for kind, _ in kernels} <= {"one"}  # one step per call
     kernels.clear()
     llm = engine(tiny_qwen3_moe, 8)
-    assert summary(llm, llm.generate(ps, mixed_params(5), use_tqdm=False)) == ref
-    assert {kind for kind, _ in kernels} == {"loop"} and len(kernels) < ref[1] / 3  # decode steps run 8 at a time
+    assert summary(llm, llm.generate(ps, params(5), use_tqdm=False)) == ref
+    assert {kind for kind, _ in kernels} == {loop} and len(kernels) < ref[1] / 3  # decode steps run 8 at a time
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.cache.num_blocks
 
 
-def test_preemption_and_arrivals_stop_a_run(tiny_qwen3_moe, kernels):
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_preemption_and_arrivals_stop_a_run(tiny_qwen3_moe, kernels, temperature):
     """A tiny pool: decode steps evict sequences (they wait for a recompute), and a request added mid-run
-    waits for a prefill: both end a run early, with the same tokens and preemption counts as one step per call."""
-    ps, params = prompts(6), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    waits for a prefill: both end a run early, with the same tokens and preemption counts as one step per call
+    (sampled: each draw's offset counts the tokens its sequence made before the preemption too)."""
+    ps = prompts(6)
+    params = SamplingParams(temperature=temperature, top_p=0.9, seed=4, max_tokens=20, ignore_eos=True)
 
     block_bytes = engine(tiny_qwen3_moe, 1).engine.cache.spec.bytes_per_block
 
@@ -83,17 +99,17 @@ def test_preemption_and_arrivals_stop_a_run(tiny_qwen3_moe, kernels):
     ref = run(1)
     kernels.clear()
     assert run(8) == ref and ref[1] > 0 and len(ref[0]) == 6
-    assert ("loop", 8) in kernels
+    assert ("loop" if temperature == 0 else "sampled loop", 8) in kernels
 
 
 def test_requests_that_need_python_per_step_run_one_step_per_call(tiny_qwen3_moe, kernels):
-    """Stop strings, logprobs and sampling need each step's tokens in Python: while such a request runs every step
-    takes one call (its first 3 decode steps here), after it ends the other two run back to back; the tokens are
-    those of one step per call."""
+    """Stop strings and logprobs need each step's tokens in Python: while such a request runs every step takes one
+    call (its first 3 decode steps here), after it ends the other two run back to back; the tokens are those of
+    one step per call. (A sampled request alone does not: test_back_to_back_steps_equal_one_step_per_call.)"""
     ps = prompts(3)
     for special, one_calls in ((SamplingParams(temperature=0, max_tokens=4, stop=["zz"]), 3),  # greedy: decode_greedy
-                               (SamplingParams(temperature=0, max_tokens=4, logprobs=1), 0),  # decode_step, sampler
-                               (SamplingParams(temperature=0.8, seed=3, max_tokens=4), 0)):
+                               (SamplingParams(temperature=0.8, seed=3, max_tokens=4, stop=["zz"]), 0),
+                               (SamplingParams(temperature=0, max_tokens=4, logprobs=1), 0)):  # decode_step, sampler
         params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), special,
                   SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
         ref_llm, llm = engine(tiny_qwen3_moe, 1), engine(tiny_qwen3_moe, 8)
@@ -139,6 +155,6 @@ def test_the_sweeps_step_timer_counts_a_run_as_forward(tiny_qwen3_moe, kernels):
         timer.step()  # the prefill
         before = e.num_steps["decode"]
         _, batch, split = timer.step()
-        ran = timer.acc["greedy_steps"]
+        ran = timer.acc["decode_steps"]
     assert e.num_steps["decode"] - before == 8 and kernels[-1] == ("loop", 8) and batch.num_seqs == 1
     assert ran > 0 and split["forward"] == pytest.approx(ran)

@@ -95,6 +95,25 @@ void check_greedy_batch(const DecoderStack& stack, const ScheduledBatch& batch) 
   if (!stack.head) throw py::value_error("decode_greedy: greedy tokens need a stack with a head");
 }
 
+// run_decode_steps' sampling from None (all greedy) or six sequences of `rows` values each: temperature, top_k,
+// top_p, min_p, seeds, offsets.
+LoopSampling loop_sampling(const py::object& sampling, size_t rows) {
+  LoopSampling s;
+  if (sampling.is_none()) return s;
+  const auto t = sampling.cast<py::tuple>();
+  if (t.size() != 6) throw py::value_error("decode_steps: sampling is (temperature, top_k, top_p, min_p, seeds, offsets)");
+  s.temperature = t[0].cast<std::vector<float>>();
+  s.top_k = t[1].cast<std::vector<int64_t>>();
+  s.top_p = t[2].cast<std::vector<float>>();
+  s.min_p = t[3].cast<std::vector<float>>();
+  s.seeds = t[4].cast<std::vector<int64_t>>();
+  s.offsets = t[5].cast<std::vector<int64_t>>();
+  for (size_t n : {s.temperature.size(), s.top_k.size(), s.top_p.size(), s.min_p.size(), s.seeds.size(),
+                   s.offsets.size()})
+    if (n != rows) throw py::value_error("decode_steps: sampling needs one value per sequence of the first batch");
+  return s;
+}
+
 py::dict features_dict() {
   const CpuFeatures& f = cpu_features();
   py::dict d;
@@ -306,24 +325,26 @@ void bind_cpu_kernels(py::module_& m) {
       "tokens [T] int64: decode_step over a scheduled decode batch's own arrays with the stack's head, each row's "
       "first argmax of its logits (-1 for a row with NaN or inf)");
   m.def(
-      "decode_greedy_steps",
-      [](const DecoderStack& stack, Scheduler& scheduler, const ScheduledBatch& first, int max_steps, uintptr_t counts,
-         int64_t counts_per_step, bool bf16, int threads, py::list done) {
+      "decode_steps",
+      [](const DecoderStack& stack, Scheduler& scheduler, const ScheduledBatch& first, int max_steps,
+         py::object sampling, uintptr_t counts, int64_t counts_per_step, bool bf16, int threads, py::list done) {
         check_greedy_batch(stack, first);
-        if (max_steps < 1) throw py::value_error("decode_greedy_steps: max_steps must be at least 1");
-        GreedySteps r;
+        if (max_steps < 1) throw py::value_error("decode_steps: max_steps must be at least 1");
+        const LoopSampling draws = loop_sampling(sampling, first.seq_ids.size());
+        LoopSteps r;
         {
           py::gil_scoped_release release;
-          r = run_greedy_steps(scheduler, stack, first, max_steps, reinterpret_cast<int64_t*>(counts),
+          r = run_decode_steps(scheduler, stack, first, max_steps, draws, reinterpret_cast<int64_t*>(counts),
                                counts_per_step, bf16, threads);
         }
         // The steps that ran reach the caller before a failure is raised: they are processed.
-        for (GreedyStep& step : r.done) done.append(py::make_tuple(std::move(step.batch), std::move(step.outputs)));
+        for (LoopStep& step : r.done) done.append(py::make_tuple(std::move(step.batch), std::move(step.outputs)));
         raise_decode_status(r.status, stack, r.failed.input_ids.data(), r.failed.max_blocks);
         return r.preempted;
       },
-      "runs `first` and up to max_steps - 1 more greedy decode steps (decode_greedy), each scheduled and processed "
-      "by the scheduler, appending (batch, outputs) per step to done; returns the sequences a last schedule evicted");
+      "runs `first` and up to max_steps - 1 more decode steps, each drawn (greedy, or with sampling = (temperature, "
+      "top_k, top_p, min_p, seeds, offsets) per row of first: sample_tokens), scheduled and processed by the "
+      "scheduler, appending (batch, outputs) per step to done; returns the sequences a last schedule evicted");
   m.def(
       "greedy_tokens",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {

@@ -279,27 +279,31 @@ void filter(float* z, int64_t V, float zmax, const SampleParams& p, RowScratch& 
   if (threshold != INT32_MIN) drop_below(z, V, threshold);
 }
 
-// First argmax of gumbel(row, v) + z[v] over the tokens with z above -inf (at least one). The C library's two
-// logs per token cost ~25 ns; gumbel8 scores every token first (approx [V]), and only the tokens within twice
-// the error bound of the best approximate score, which include the exact winner, are scored with gumbel().
-int64_t gumbel_argmax(const float* z, int64_t V, uint32_t row_hash, float* approx) {
+// Twice the most an approximate score can differ from the exact one near `score`: the Gumbel error, and an ulp
+// of the score from rounding each to fp32.
+float slack(float score) { return 2 * (kGumbelError + 2.4e-7f * std::fabs(score)); }
+
+// First argmax of gumbel(row, v) + z[v] over the tokens with z above -inf (at least one; zmax the largest z).
+// The C library's two logs per token cost ~25 ns; gumbel8 scores tokens first (approx [V]), and only the tokens
+// within slack of the best approximate score, which include the exact winner, are scored with gumbel(). The top
+// token scores at least zmax - 2.82 (the smallest uniform's noise) and no token more than z + 16.64 (the
+// largest's), so blocks of tokens 20 below zmax cannot come near the best: they are not scored at all.
+int64_t gumbel_argmax(const float* z, int64_t V, float zmax, uint32_t row_hash, float* approx) {
   const __m256i row = _mm256_set1_epi32(static_cast<int32_t>(row_hash));
-  __m256 top = _mm256_set1_ps(-INFINITY);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY), floor = _mm256_set1_ps(zmax - 20.0f - 2 * slack(zmax));
+  __m256 top = ninf;
   const int64_t vector_end = V <= INT32_MAX ? V / 8 * 8 : 0;
-  auto approximate = [&](int64_t v) {
-    const __m256 s = _mm256_add_ps(_mm256_loadu_ps(z + v), gumbel8(row, static_cast<int32_t>(v)));
+  for (int64_t v = 0; v < vector_end; v += 8) {
+    const __m256 x = _mm256_loadu_ps(z + v);
+    const bool far = _mm256_movemask_ps(_mm256_cmp_ps(x, floor, _CMP_LT_OQ)) == 0xff;  // or dropped (-inf)
+    const __m256 s = far ? ninf : _mm256_add_ps(x, gumbel8(row, static_cast<int32_t>(v)));
     _mm256_storeu_ps(approx + v, s);
-    return s;
-  };
-  int64_t v = 0;
-  for (; v + 16 <= vector_end; v += 16)  // two independent polynomial chains at a time
-    top = _mm256_max_ps(top, _mm256_max_ps(approximate(v), approximate(v + 8)));
-  if (v < vector_end) top = _mm256_max_ps(top, approximate(v));
+    top = _mm256_max_ps(top, s);
+  }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, top);
   const float best_approx = *std::max_element(lanes, lanes + 8);
-  // Scores are rounded to fp32 twice (exact and approximate): an ulp of the score on top of the Gumbel error.
-  const float cut = best_approx - 2 * (kGumbelError + 2.4e-7f * std::fabs(best_approx));
+  const float cut = best_approx - slack(best_approx);
   float best = -INFINITY;
   int64_t tok = -1;
   auto score = [&](int64_t v) {
@@ -332,7 +336,7 @@ int64_t sample_row(const float* x, int64_t V, const SampleParams& p, RowScratch&
   const float zmax = scale(x, V, p.temperature, r.z.data());
   if (zmax == -INFINITY) return -1;
   filter(r.z.data(), V, zmax, p, r);
-  return gumbel_argmax(r.z.data(), V, p.row_hash, r.aux.data());
+  return gumbel_argmax(r.z.data(), V, zmax, p.row_hash, r.aux.data());
 }
 
 }  // namespace

@@ -57,11 +57,16 @@ class SeqState:
     cached_prefix: tuple | None = None  # prefix-store (blocks, last block's hash) to write when first scheduled
 
     @property
+    def plain_draw(self) -> bool:
+        """Whether its tokens are the sample op's draw from the raw logits, with nothing else wanted: no logprobs,
+        logits processors or grammar."""
+        return self.params.logprobs is None and self.logits_ctx is None and self.grammar is None
+
+    @property
     def plain_greedy(self) -> bool:
         """Whether its tokens are the plain argmax of the raw logits, with nothing else wanted (Sampler.plain_greedy's
         rule for one row)."""
-        return self.params.temperature == 0 and self.params.logprobs is None and self.logits_ctx is None \
-            and self.grammar is None
+        return self.params.temperature == 0 and self.plain_draw
 
 
 @dataclass
@@ -278,7 +283,7 @@ class LLMEngine:
 
     def _run_step(self, batch, want=_C.StepType.IDLE) -> tuple[list[RequestOutput], int]:
         """A step run here from start to end: the forward, sampling and output processing; with
-        num_scheduler_steps > 1 and want IDLE (no DP vote) maybe more decode steps after it (_run_greedy_steps)."""
+        num_scheduler_steps > 1 and want IDLE (no DP vote) maybe more decode steps after it (_run_decode_steps)."""
         self._count_step(batch)
         if batch.type == _C.StepType.PREFILL:
             self._write_cached_prefixes(batch)
@@ -291,7 +296,7 @@ class LLMEngine:
             states = [self.seqs[s] for s, drawn in zip(batch.seq_ids, sampled) if drawn]
             firsts = (sampled.cumsum() - 1).tolist()
         steps = self._loop_steps(batch, states) if want == _C.StepType.IDLE else 1
-        ran = self._run_greedy_steps(batch, steps) if steps > 1 else None
+        ran = self._run_decode_steps(batch, states, steps) if steps > 1 else None
         if ran is not None:
             return ran
         if batch.type == _C.StepType.DECODE and self.spec is not None and batch.draft_lens.sum() > 0:
@@ -321,40 +326,45 @@ class LLMEngine:
         for seq_id in seq_ids:
             self.requests[self.seqs[seq_id].request_id].metrics.num_preemptions += 1
 
-    # ---- greedy decode steps back to back in C++ (num_scheduler_steps > 1) -------------------------------------
+    # ---- decode steps back to back in C++ (num_scheduler_steps > 1) --------------------------------------------
 
     def _loop_steps(self, batch, states: list[SeqState]) -> int:
-        """How many decode steps from `batch` on may run in one C++ call: num_scheduler_steps when every row draws
-        the plain argmax and needs no Python per step (stop strings are matched on the text), up to the step
-        whose end replans the experts (that moves weights between steps); else 1. The rows are all the running
-        sequences that decode, and no sequence joins them inside the call."""
+        """How many decode steps from `batch` on may run in one C++ call: num_scheduler_steps when every row is a
+        plain draw (greedy or sampled) and needs no Python per step (stop strings are matched on the text), up to
+        the step whose end replans the experts (that moves weights between steps); else 1. The rows are all the
+        running sequences that decode, and no sequence joins them inside the call."""
         n = self.config.num_scheduler_steps
         if n == 1 or batch.type != _C.StepType.DECODE \
-                or not all(s.plain_greedy and not s.params.stop_strings for s in states):
+                or not all(s.plain_draw and not s.params.stop_strings for s in states):
             return 1
         replan = None if self.eplb is None else self.eplb.steps_to_replan()
         return n if replan is None else min(n, replan)
 
-    def _run_greedy_steps(self, batch, max_steps: int) -> tuple[list[RequestOutput], int] | None:
-        """Runs `batch` and up to max_steps - 1 more decode steps in one C++ call (ModelRunner.greedy_steps), then
-        each step's bookkeeping in order, also for the steps before one that raises. None where the model cannot
-        run them so (nothing ran)."""
+    def _run_decode_steps(self, batch, states: list[SeqState], max_steps: int) -> tuple[list[RequestOutput], int] | None:
+        """Runs `batch` (states: its rows') and up to max_steps - 1 more decode steps in one C++ call
+        (ModelRunner.decode_steps), then each step's bookkeeping in order, also for the steps before one that
+        raises. None where the model cannot run them so (nothing ran)."""
         counts = None if self.eplb is None else \
             torch.zeros(max_steps, self.eplb.recorder.step_flat().numel(), dtype=torch.int64)
         done = []
         try:
-            evicted = self.runner.greedy_steps(self.scheduler, batch, max_steps, counts, done)
+            evicted = self.runner.decode_steps(self.scheduler, batch, max_steps, self._loop_sampling(states), counts,
+                                               done)
         finally:
             outputs = [out for k, (step, results) in enumerate(done)
-                       for out in self._greedy_step_done(k, step, results, counts)]
+                       for out in self._loop_step_done(k, step, results, counts)]
         if evicted is None:
             return None
         self._count_preemptions(evicted)
         return outputs, sum(step.num_tokens for step, _ in done)
 
-    def _greedy_step_done(self, k: int, batch, results, counts: torch.Tensor | None) -> list[RequestOutput]:
-        """Step k of a greedy run (its tokens already processed by the scheduler): what _run_step does after the
-        scheduler's process(); counts: the run's expert counts, row k this step's."""
+    def _loop_sampling(self, states: list[SeqState]) -> tuple | None:
+        """decode_steps' sampling for rows `states`: None when all are greedy, else their _draw_params."""
+        return None if all(s.params.temperature == 0 for s in states) else self._draw_params(states)
+
+    def _loop_step_done(self, k: int, batch, results, counts: torch.Tensor | None) -> list[RequestOutput]:
+        """Step k of a run of decode steps (its tokens already processed by the scheduler): what _run_step does
+        after the scheduler's process(); counts: the run's expert counts, row k this step's."""
         if k:
             self._count_step(batch)
         if self.eplb is not None:
@@ -425,16 +435,24 @@ class LLMEngine:
             metrics.spec_verified_drafts += verified
             metrics.spec_accepted_drafts += max(0, len(toks) - 1)
 
-    def _sampling_batch(self, states: list[SeqState]) -> SamplingBatch:
+    @staticmethod
+    def _draw_params(states: list[SeqState]) -> tuple[list, ...]:
+        """The sample op's per-row arguments as lists: temperature, top_k, top_p, min_p, seeds and offsets (the
+        tokens each sequence has generated so far)."""
         p = [s.params for s in states]
+        return ([x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p],
+                [s.seed for s in states], [len(s.token_ids) for s in states])
+
+    def _sampling_batch(self, states: list[SeqState]) -> SamplingBatch:
+        temperature, top_k, top_p, min_p, seeds, offsets = self._draw_params(states)
         logprobs = [s.params.logprobs for s in states if s.params.logprobs is not None]
         return SamplingBatch(
-            temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32),
-            top_k=torch.tensor([x.top_k for x in p], dtype=torch.int64),
-            top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32),
-            min_p=torch.tensor([x.min_p for x in p], dtype=torch.float32),
-            seeds=[s.seed for s in states],
-            offsets=torch.tensor([len(s.token_ids) for s in states], dtype=torch.int64),
+            temperature=torch.tensor(temperature, dtype=torch.float32),
+            top_k=torch.tensor(top_k, dtype=torch.int64),
+            top_p=torch.tensor(top_p, dtype=torch.float32),
+            min_p=torch.tensor(min_p, dtype=torch.float32),
+            seeds=seeds,
+            offsets=torch.tensor(offsets, dtype=torch.int64),
             num_logprobs=max(logprobs) if logprobs else -1,
             logits_rows=self._logits_rows(states),
             grammars=None if all(s.grammar is None for s in states) else [s.grammar for s in states],

@@ -13,7 +13,7 @@ class ModelRunner:
         self.model, self.block_size = model, block_size
         self.sampler = Sampler()
         self._greedy = getattr(model, "decode_greedy", None)  # optional: models that draw inside their decode call
-        self._greedy_steps = getattr(model, "decode_greedy_steps", None)  # optional: and run such steps back to back
+        self._steps = getattr(model, "decode_steps", None)  # optional: and run decode steps back to back
 
     def prepare(self, batch) -> tuple[torch.Tensor, AttentionMetadata]:
         """ScheduledBatch -> (input_ids [T], metadata). The arrays come from C++ input prep."""
@@ -70,12 +70,13 @@ class ModelRunner:
         tokens = None if self._greedy is None else self._greedy(batch)
         return None if tokens is None else SamplerOutput(tokens, None, None, None, None)
 
-    def greedy_steps(self, scheduler, batch, max_steps: int, counts: torch.Tensor | None, done: list) -> list | None:
-        """greedy(batch) and up to max_steps - 1 more greedy decode steps, each scheduled and processed by the
-        scheduler in the model's same call (decode_greedy_steps): done gets (batch, outputs) per step; counts
-        [max_steps, ...] their expert counts (or None). Returns the sequences a last decode schedule evicted, or
-        None where the model cannot (nothing ran)."""
-        return None if self._greedy_steps is None else self._greedy_steps(scheduler, batch, max_steps, counts, done)
+    def decode_steps(self, scheduler, batch, max_steps: int, sampling: tuple | None, counts: torch.Tensor | None,
+                     done: list) -> list | None:
+        """`batch` and up to max_steps - 1 more decode steps, each drawn (greedy, or as the sampler draws with
+        `sampling`: cpu_ops.decode_steps), scheduled and processed by the scheduler in the model's same call: done
+        gets (batch, outputs) per step; counts [max_steps, ...] their expert counts (or None). Returns the sequences
+        a last decode schedule evicted, or None where the model cannot (nothing ran)."""
+        return None if self._steps is None else self._steps(scheduler, batch, max_steps, sampling, counts, done)
 
 
 def _decodes_all(batch, meta: AttentionMetadata) -> bool:

@@ -366,10 +366,13 @@ def decode_greedy(stack: tuple, batch, counts: torch.Tensor | None = None) -> to
                                              platform.kernel_threads()))
 
 
-def decode_greedy_steps(stack: tuple, scheduler, batch, max_steps: int, counts: torch.Tensor | None, done: list) -> list:
+def decode_steps(stack: tuple, scheduler, batch, max_steps: int, sampling: tuple | None, counts: torch.Tensor | None,
+                 done: list) -> list:
     """decode_greedy over `batch` (a decode ScheduledBatch of `scheduler`) and up to max_steps - 1 more decode
     steps, each scheduled and processed by the scheduler in C++ while no sequence waits or is mid-prefill; appends
-    (batch, scheduler.process outputs) per step to done, also when a later step raises. counts [max_steps,
+    (batch, scheduler.process outputs) per step to done, also when a later step raises. sampling: None (every
+    row greedy) or per sequence of `batch`, in its row order, (temperature, top_k, top_p, min_p, seeds, offsets)
+    lists: each row drawn as sample() draws it, at offset + the steps it ran in this call. counts [max_steps,
     sum of the layers' E_logical] int64: row k added to by step k (or None). Returns the sequences a last decode
     schedule evicted without running (see csrc/engine/decode_loop.h)."""
     dtype, _, _, num_counts, weights = stack
@@ -377,8 +380,8 @@ def decode_greedy_steps(stack: tuple, scheduler, batch, max_steps: int, counts: 
         _check(counts, "counts", torch.int64, 2)
         if counts.shape != (max_steps, num_counts):
             raise ValueError(f"counts: expected [{max_steps}, {num_counts}], got {tuple(counts.shape)}")
-    return _C.decode_greedy_steps(weights, scheduler, batch, max_steps, _ptr(counts), num_counts,
-                                  dtype == torch.bfloat16, platform.kernel_threads(), done)
+    return _C.decode_steps(weights, scheduler, batch, max_steps, sampling, _ptr(counts), num_counts,
+                           dtype == torch.bfloat16, platform.kernel_threads(), done)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

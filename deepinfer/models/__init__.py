@@ -9,7 +9,8 @@
     compute_logits(hidden [N, H]) -> logits [N, V] (fp32)
     forward_logits(input_ids [T], meta) -> logits [T, V] (fp32): compute_logits(forward(...)), fused where it can
     decode_greedy(batch: ScheduledBatch) -> tokens [T] or None  # optional: a decode step's argmax in one call
-    decode_greedy_steps(scheduler, batch, max_steps, counts, done) -> evicted or None  # optional: with decode_greedy
+    decode_steps(scheduler, batch, max_steps, sampling, counts, done) -> evicted or None  # optional: such steps
+                                              # back to back, greedy or sampled, with the scheduler in the call
     load_weights(weights: Iterable[(hf_name, Tensor)]) -> None   # raises on missing/extra/misshapen
     weights_changed() -> None                 # optional: weights were moved or sharded after loading
 """

@@ -232,13 +232,14 @@ class LlamaForCausalLM(nn.Module):
         stack = self._decode_stack(batch.num_seqs, head=True)
         return None if stack is None else cpu_ops.decode_greedy(stack, batch, self._step_counts())
 
-    def decode_greedy_steps(self, scheduler, batch, max_steps: int, counts: torch.Tensor | None,
-                            done: list) -> list | None:
-        """decode_greedy over `batch` and up to max_steps - 1 more decode steps scheduled and processed in the same
-        C++ call (cpu_ops.decode_greedy_steps: done gets (batch, outputs) per step; counts [max_steps, L * E] the
-        steps' expert counts, or None); None where the steps cannot run in one call (nothing ran)."""
+    def decode_steps(self, scheduler, batch, max_steps: int, sampling: tuple | None, counts: torch.Tensor | None,
+                     done: list) -> list | None:
+        """`batch` and up to max_steps - 1 more decode steps drawn (greedy, or by `sampling`), scheduled and processed
+        in the same C++ call (cpu_ops.decode_steps: done gets (batch, outputs) per step; counts [max_steps, L * E]
+        the steps' expert counts, or None); None where the steps cannot run in one call (nothing ran)."""
         stack = self._decode_stack(batch.num_seqs, head=True)
-        return None if stack is None else cpu_ops.decode_greedy_steps(stack, scheduler, batch, max_steps, counts, done)
+        return None if stack is None else cpu_ops.decode_steps(stack, scheduler, batch, max_steps, sampling, counts,
+                                                               done)
 
     def _decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, head: bool) -> torch.Tensor | None:
         """cpu_ops.decode_step's output for this step, or None where it cannot run in one call."""
