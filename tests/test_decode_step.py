@@ -130,10 +130,10 @@ def batch_tensors(batch) -> tuple:
 
 
 @pytest.mark.parametrize("packed", PACKED)
-def test_greedy_over_a_scheduled_batch_is_the_argmax_of_the_same_step(packed):
-    """decode_greedy reads a scheduled decode batch's own arrays: its tokens are greedy_tokens of decode_step's
-    logits over the same batch as tensors, with the same KV stores and expert counts; -1 for a row made non-finite
-    by its embedding, the other rows unchanged."""
+def test_draws_over_a_scheduled_batch_are_those_of_the_same_step(packed):
+    """decode_drawn reads a scheduled decode batch's own arrays: its tokens are greedy_tokens of decode_step's
+    logits over the same batch as tensors, with the same KV stores and expert counts, or with sampling the sample
+    op's draw from those logits; -1 for a row made non-finite by its embedding, the other rows unchanged."""
     head, _norm_w, _lm, isa = lm_head(packed)  # the tensors behind the head's pointers, kept alive
     _scheduler, batch = scheduled_decode([2, 4, 5, 9, 12])
     ids, meta = batch_tensors(batch)
@@ -142,20 +142,32 @@ def test_greedy_over_a_scheduled_batch_is_the_argmax_of_the_same_step(packed):
     stack, _, (caches, _embed), _, _ = make_stack(isa, head)
     ref_counts, counts = (torch.zeros(LAYERS * EXPERTS, dtype=torch.int64) for _ in range(2))
     logits = run(ref_stack, ids, meta, ref_counts)
-    tokens = cpu_ops.decode_greedy(stack, batch, counts)
+    tokens = cpu_ops.decode_drawn(stack, batch, None, counts)
     assert tokens.dtype == torch.int64 and torch.equal(tokens, cpu_ops.greedy_tokens(logits)) and (tokens >= 0).all()
     assert torch.equal(counts, ref_counts) and counts.sum() == LAYERS * 2 * ids.shape[0]
     for (w_ref, *_), (w, *_) in zip(ref_caches, caches):
         assert torch.equal(w["k_cache"], w_ref["k_cache"]) and torch.equal(w["v_cache"], w_ref["v_cache"])
+    # temperature, top_k, top_p, min_p, seeds, offsets per row; the last row greedy
+    sampling = ([2.0, 1.5, 3.0, 2.0, 0.0], [0, 5, 0, 0, 3], [1.0, 1.0, 0.9, 1.0, 1.0], [0.0, 0.0, 0.0, 0.01, 0.0],
+                [7, 8, 9, 10, 11], [0, 3, 1, 4, 2])
+    want = cpu_ops.sample(logits, *(torch.tensor(x) for x in sampling))
+    sampled_stack, _, _sampled_held, _, _ = make_stack(isa, head)  # held: the tensors behind its pointers
+    drawn = cpu_ops.decode_drawn(sampled_stack, batch, sampling)
+    assert torch.equal(drawn, want) and not torch.equal(drawn, tokens)  # some draw is not the argmax
 
     bad_stack, _, (_bad_caches, bad_embed), _, _ = make_stack(isa, head)
     bad_embed[ids[2]] = float("inf")  # row 2's hidden state, its norm and its logits turn NaN
     bad_ref, _, (_bad_ref_caches, bad_ref_embed), _, _ = make_stack(isa, head)
     bad_ref_embed[ids[2]] = float("inf")
-    bad_logits, bad_tokens = run(bad_ref, ids, meta), cpu_ops.decode_greedy(bad_stack, batch)
+    bad_logits, bad_tokens = run(bad_ref, ids, meta), cpu_ops.decode_drawn(bad_stack, batch)
     assert not bad_logits[2].isfinite().all() and bad_tokens[2] == -1
     rows = [t for t in range(ids.shape[0]) if ids[t] != ids[2]]
     assert rows and torch.equal(bad_tokens[rows], bad_logits[rows].argmax(-1))
+    bad_sampled_stack, _, (_bad_sampled_caches, bad_sampled_embed), _, _ = make_stack(isa, head)
+    bad_sampled_embed[ids[2]] = float("inf")
+    bad_drawn = cpu_ops.decode_drawn(bad_sampled_stack, batch, sampling)
+    want = cpu_ops.sample(bad_logits[rows], *(torch.tensor(x)[rows] for x in sampling))
+    assert bad_drawn[2] == -1 and torch.equal(bad_drawn[rows], want)
 
 
 def test_stack_checks_and_errors_name_the_layer_or_row():
@@ -167,14 +179,16 @@ def test_stack_checks_and_errors_name_the_layer_or_row():
     with pytest.raises(ValueError, match="counts"):
         run(stack, ids, meta, torch.zeros(LAYERS * EXPERTS - 1, dtype=torch.int64))
     _scheduler, batch = scheduled_decode([2, 4, 5, 9, 12])
-    with pytest.raises(ValueError, match="greedy tokens need a stack with a head"):
-        cpu_ops.decode_greedy(stack, batch)
+    with pytest.raises(ValueError, match="drawn tokens need a stack with a head"):
+        cpu_ops.decode_drawn(stack, batch)
     head, *_head_tensors = lm_head(False)
     head_stack, _, _head_held, _, _ = make_stack(cpu_ops.EXACT_ISA, head)
     with pytest.raises(ValueError, match="counts"):
-        cpu_ops.decode_greedy(head_stack, batch, torch.zeros(LAYERS * EXPERTS + 1, dtype=torch.int64))
+        cpu_ops.decode_drawn(head_stack, batch, None, torch.zeros(LAYERS * EXPERTS + 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="a decode step of one token per sequence"):
-        cpu_ops.decode_greedy(head_stack, scheduler_with([3, 5]).schedule())  # a prefill
+        cpu_ops.decode_drawn(head_stack, scheduler_with([3, 5]).schedule())  # a prefill
+    with pytest.raises(ValueError, match="one value of each per row"):
+        cpu_ops.decode_drawn(head_stack, batch, ([1.0] * 4, [0] * 5, [1.0] * 5, [0.0] * 5, [0] * 5, [0] * 5))
     embed = torch.zeros(VOCAB, HIDDEN, dtype=torch.bfloat16)
     bad = [(attn, moe, None) for attn, moe in halves]
     bad[2] = (*bad[2][:2], torch.arange(EXPERTS) + EXPERTS)  # maps every expert past the physical slots
@@ -194,16 +208,16 @@ def test_stack_checks_and_errors_name_the_layer_or_row():
 @pytest.mark.parametrize("tied", [False, True])
 def test_engine_decode_steps_take_the_head_and_draw_greedy_tokens_in_the_call(tmp_path, monkeypatch, tied):
     """Decode steps run in one call with the head (an untied, packed LM head, and one tied to the embeddings):
-    with logprobs decode_step, whose logits the engine samples, without them decode_greedy on the scheduled batch,
+    with logprobs decode_step, whose logits the engine samples, without them decode_drawn on the scheduled batch,
     which draws the greedy tokens itself. Tokens and logprobs equal those of the head-less call followed by
     compute_logits and the sampler."""
     path = make_qwen3_moe(str(tmp_path / "m"), tie_word_embeddings=tied)
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     prompts = [[5, 6, 7, 8, 9], [12, 13]]
-    calls, real, real_greedy = [], cpu_ops.decode_step, cpu_ops.decode_greedy
+    calls, real, real_greedy = [], cpu_ops.decode_step, cpu_ops.decode_drawn
     monkeypatch.setattr(cpu_ops, "decode_step",
                         lambda stack, *a: calls.append((stack[2] is not None, False)) or real(stack, *a))
-    monkeypatch.setattr(cpu_ops, "decode_greedy",
+    monkeypatch.setattr(cpu_ops, "decode_drawn",
                         lambda stack, *a: calls.append((stack[2] is not None, True)) or real_greedy(stack, *a))
 
     def generate(logprobs):
@@ -254,11 +268,11 @@ def test_layers_are_checked_once_per_input_kind_until_weights_change(tiny_qwen3_
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20)
     checks, calls = [], []
-    check, real, real_greedy = LlamaForCausalLM._check_decode_stack, cpu_ops.decode_step, cpu_ops.decode_greedy
+    check, real, real_greedy = LlamaForCausalLM._check_decode_stack, cpu_ops.decode_step, cpu_ops.decode_drawn
     monkeypatch.setattr(LlamaForCausalLM, "_check_decode_stack",
                         lambda self, rows: checks.append(rows) or check(self, rows))
     monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(cpu_ops, "decode_greedy", lambda *a: calls.append(1) or real_greedy(*a))
+    monkeypatch.setattr(cpu_ops, "decode_drawn", lambda *a: calls.append(1) or real_greedy(*a))
 
     def generate():
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

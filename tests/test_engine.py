@@ -176,19 +176,22 @@ def test_non_finite_logits_fail_one_request_only(qwen, monkeypatch):
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 10
 
 
-def test_non_finite_decode_in_one_call_fails_one_request_only(tiny_qwen3_moe, monkeypatch):
-    """A bf16 decode step that draws its greedy tokens inside its C++ call (decode_greedy): a sequence whose cached
-    keys turned NaN gets token -1 there and ends with "error"; the other sequence of the batch runs to its end."""
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=2, max_tokens=10,
+                                                            ignore_eos=True)], ids=["greedy", "sampled"])
+def test_non_finite_decode_in_one_call_fails_one_request_only(tiny_qwen3_moe, monkeypatch, params):
+    """A bf16 decode step that draws its tokens inside its C++ call (decode_drawn), greedy or sampled: a sequence
+    whose cached keys turned NaN gets token -1 there and ends with "error"; the other sequence of the batch runs to
+    its end."""
     from deepinfer.layers import cpu_ops, gemm_plan
     from tests.conftest import our_kernel_path
 
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, block_size=4)
-    engine, drawn, real = llm.engine, [], cpu_ops.decode_greedy
-    monkeypatch.setattr(cpu_ops, "decode_greedy", lambda *a: drawn.append(1) or real(*a))
-    monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: pytest.fail("a greedy decode step left decode_greedy"))
+    engine, drawn, real = llm.engine, [], cpu_ops.decode_drawn
+    monkeypatch.setattr(cpu_ops, "decode_drawn", lambda *a: drawn.append(1) or real(*a))
+    monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: pytest.fail("a plain decode step left decode_drawn"))
     for i, ids in enumerate(([5, 6, 7], [8, 9, 10])):
-        engine.add_request(f"r{i}", ids, GREEDY)
+        engine.add_request(f"r{i}", ids, params)
     engine.step()  # the prefill
     target = min(engine.seqs)
     for name, cache in engine.cache.paged.items():

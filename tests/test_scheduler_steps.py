@@ -13,12 +13,12 @@ from tests.conftest import our_expert_paths, our_kernel_path
 @pytest.fixture
 def kernels(monkeypatch):
     """Every linear and expert on our kernels, as the one-call decode step needs (a loaded host's timed plan could
-    pick torch for a tiny shape); counts the one-call steps: [(kind, max_steps)], kind "one" (greedy, one step),
-    "loop" (greedy run) or "sampled loop"."""
+    pick torch for a tiny shape); counts the one-call steps: [(kind, max_steps)], kind "one" (one step, greedy or
+    sampled), "loop" (greedy run) or "sampled loop"."""
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     monkeypatch.setattr(gemm_plan.PLAN, "expert_paths", our_expert_paths)
-    calls, one, steps = [], cpu_ops.decode_greedy, cpu_ops.decode_steps
-    monkeypatch.setattr(cpu_ops, "decode_greedy", lambda *a: calls.append(("one", 1)) or one(*a))
+    calls, one, steps = [], cpu_ops.decode_drawn, cpu_ops.decode_steps
+    monkeypatch.setattr(cpu_ops, "decode_drawn", lambda *a: calls.append(("one", 1)) or one(*a))
     monkeypatch.setattr(cpu_ops, "decode_steps",
                         lambda *a: calls.append(("loop" if a[4] is None else "sampled loop", a[3])) or steps(*a))
     return calls
@@ -107,8 +107,8 @@ def test_requests_that_need_python_per_step_run_one_step_per_call(tiny_qwen3_moe
     call (its first 3 decode steps here), after it ends the other two run back to back; the tokens are those of
     one step per call. (A sampled request alone does not: test_back_to_back_steps_equal_one_step_per_call.)"""
     ps = prompts(3)
-    for special, one_calls in ((SamplingParams(temperature=0, max_tokens=4, stop=["zz"]), 3),  # greedy: decode_greedy
-                               (SamplingParams(temperature=0.8, seed=3, max_tokens=4, stop=["zz"]), 0),
+    for special, one_calls in ((SamplingParams(temperature=0, max_tokens=4, stop=["zz"]), 3),  # decode_drawn
+                               (SamplingParams(temperature=0.8, seed=3, max_tokens=4, stop=["zz"]), 3),
                                (SamplingParams(temperature=0, max_tokens=4, logprobs=1), 0)):  # decode_step, sampler
         params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), special,
                   SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]

@@ -88,20 +88,20 @@ void raise_decode_status(const DecodeStatus& status, const DecoderStack& stack, 
   raise_bad_expert(*layer.moe, where);
 }
 
-// What decode_greedy takes: a decode batch of one token per sequence and a stack with a head.
-void check_greedy_batch(const DecoderStack& stack, const ScheduledBatch& batch) {
+// What decode_drawn and decode_steps take: a decode batch of one token per sequence and a stack with a head.
+void check_drawn_batch(const DecoderStack& stack, const ScheduledBatch& batch) {
   if (batch.type != StepType::DECODE || batch.input_ids.size() != batch.seq_ids.size())
-    throw py::value_error("decode_greedy: the batch must be a decode step of one token per sequence");
-  if (!stack.head) throw py::value_error("decode_greedy: greedy tokens need a stack with a head");
+    throw py::value_error("decode_drawn: the batch must be a decode step of one token per sequence");
+  if (!stack.head) throw py::value_error("decode_drawn: drawn tokens need a stack with a head");
 }
 
-// run_decode_steps' sampling from None (all greedy) or six sequences of `rows` values each: temperature, top_k,
-// top_p, min_p, seeds, offsets.
-LoopSampling loop_sampling(const py::object& sampling, size_t rows) {
-  LoopSampling s;
+// Draws from None (all greedy) or six sequences of `rows` values each: temperature, top_k, top_p, min_p, seeds,
+// offsets.
+Draws draws_of(const py::object& sampling, size_t rows) {
+  Draws s;
   if (sampling.is_none()) return s;
   const auto t = sampling.cast<py::tuple>();
-  if (t.size() != 6) throw py::value_error("decode_steps: sampling is (temperature, top_k, top_p, min_p, seeds, offsets)");
+  if (t.size() != 6) throw py::value_error("sampling is (temperature, top_k, top_p, min_p, seeds, offsets)");
   s.temperature = t[0].cast<std::vector<float>>();
   s.top_k = t[1].cast<std::vector<int64_t>>();
   s.top_p = t[2].cast<std::vector<float>>();
@@ -110,7 +110,7 @@ LoopSampling loop_sampling(const py::object& sampling, size_t rows) {
   s.offsets = t[5].cast<std::vector<int64_t>>();
   for (size_t n : {s.temperature.size(), s.top_k.size(), s.top_p.size(), s.min_p.size(), s.seeds.size(),
                    s.offsets.size()})
-    if (n != rows) throw py::value_error("decode_steps: sampling needs one value per sequence of the first batch");
+    if (n != rows) throw py::value_error("sampling needs one value of each per row of the batch");
   return s;
 }
 
@@ -309,28 +309,31 @@ void bind_cpu_kernels(py::module_& m) {
       "out [T,hidden] = the stack's layers (attention_block, moe_block) over embed[ids] at decode, in one call; with "
       "its head also logits [T,vocab] fp32 = lm_head(norm(out))");
   m.def(
-      "decode_greedy",
-      [](const DecoderStack& stack, const ScheduledBatch& batch, uintptr_t counts, bool bf16, int threads) {
-        check_greedy_batch(stack, batch);
+      "decode_drawn",
+      [](const DecoderStack& stack, const ScheduledBatch& batch, py::object sampling, uintptr_t counts, bool bf16,
+         int threads) {
+        check_drawn_batch(stack, batch);
+        const Draws draws = draws_of(sampling, batch.seq_ids.size());
         py::array_t<int64_t> tokens(static_cast<py::ssize_t>(batch.seq_ids.size()));
         int64_t* drawn = tokens.mutable_data();
         DecodeStatus status;
         {
           py::gil_scoped_release release;
-          status = decode_greedy(stack, batch, reinterpret_cast<int64_t*>(counts), bf16, threads, drawn);
+          status = decode_drawn(stack, batch, draws, reinterpret_cast<int64_t*>(counts), bf16, threads, drawn);
         }
         raise_decode_status(status, stack, batch.input_ids.data(), batch.max_blocks);
         return tokens;
       },
       "tokens [T] int64: decode_step over a scheduled decode batch's own arrays with the stack's head, each row's "
-      "first argmax of its logits (-1 for a row with NaN or inf)");
+      "first argmax of its logits, or with sampling = (temperature, top_k, top_p, min_p, seeds, offsets) per row "
+      "sample_tokens' draw (-1 for a row with NaN or inf)");
   m.def(
       "decode_steps",
       [](const DecoderStack& stack, Scheduler& scheduler, const ScheduledBatch& first, int max_steps,
          py::object sampling, uintptr_t counts, int64_t counts_per_step, bool bf16, int threads, py::list done) {
-        check_greedy_batch(stack, first);
+        check_drawn_batch(stack, first);
         if (max_steps < 1) throw py::value_error("decode_steps: max_steps must be at least 1");
-        const LoopSampling draws = loop_sampling(sampling, first.seq_ids.size());
+        const Draws draws = draws_of(sampling, first.seq_ids.size());
         LoopSteps r;
         {
           py::gil_scoped_release release;
@@ -342,9 +345,9 @@ void bind_cpu_kernels(py::module_& m) {
         raise_decode_status(r.status, stack, r.failed.input_ids.data(), r.failed.max_blocks);
         return r.preempted;
       },
-      "runs `first` and up to max_steps - 1 more decode steps, each drawn (greedy, or with sampling = (temperature, "
-      "top_k, top_p, min_p, seeds, offsets) per row of first: sample_tokens), scheduled and processed by the "
-      "scheduler, appending (batch, outputs) per step to done; returns the sequences a last schedule evicted");
+      "runs `first` and up to max_steps - 1 more decode steps, each drawn as decode_drawn (sampling: per row of "
+      "first, at offset + the steps its sequence ran here), scheduled and processed by the scheduler, appending "
+      "(batch, outputs) per step to done; returns the sequences a last schedule evicted");
   m.def(
       "greedy_tokens",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {

@@ -1,8 +1,9 @@
 #pragma once
-// Decode steps in C++ from a scheduled batch (cpu/decode_step.h with the head): one greedy step in one call, or
-// steps back to back (LLM(num_scheduler_steps=K)), each drawn, processed and the next one scheduled with no
-// Python in between. A batch-1 step's Python around its call (~0.3 ms of ~10 ms on two threads, on caches the
-// weight stream has just emptied) is then paid once per K steps.
+// Decode steps in C++ from a scheduled batch (cpu/decode_step.h with the head), each row's token drawn there
+// (greedy, or sampled by cpu/sampling.h): one step in one call, or steps back to back (LLM(num_scheduler_steps=K)),
+// each drawn, processed and the next one scheduled with no Python in between. A batch-1 step's Python around its
+// call (~0.3 ms of ~10 ms on two threads, on caches the weight stream has just emptied; ~1 ms more with Python's
+// sampler) is then paid once per K steps.
 #include <cstdint>
 #include <vector>
 
@@ -11,19 +12,20 @@
 
 namespace deepinfer {
 
-// tokens [T] = decode_step's greedy tokens over a decode batch of one token per sequence (T = its sequences),
-// read from the batch's own arrays, with the stack's head (required); counts as decode_step's.
-DecodeStatus decode_greedy(const DecoderStack& stack, const ScheduledBatch& batch, int64_t* counts, bool bf16,
-                           int num_threads, int64_t* tokens);
-
-// What a run of decode steps draws for each sequence of its first batch, in that batch's row order:
-// sample_tokens' parameters (cpu/sampling.h), offsets the tokens each sequence generated before the run. Empty:
-// every row takes the plain argmax.
-struct LoopSampling {
+// What each row of a batch draws: sample_tokens' parameters (cpu/sampling.h), offsets the tokens its sequence has
+// generated. Empty: every row takes the plain argmax.
+struct Draws {
   std::vector<float> temperature, top_p, min_p;
   std::vector<int64_t> top_k, seeds, offsets;
   bool empty() const { return temperature.empty(); }
 };
+
+// tokens [T] drawn over a decode batch of one token per sequence (T = its sequences), read from the batch's own
+// arrays, with the stack's head (required): decode_step's greedy tokens, or with draws (one per row)
+// sample_tokens' draw from each row's logits; a row with NaN or inf logits gets -1 either way. counts as
+// decode_step's.
+DecodeStatus decode_drawn(const DecoderStack& stack, const ScheduledBatch& batch, const Draws& draws,
+                          int64_t* counts, bool bf16, int num_threads, int64_t* tokens);
 
 struct LoopStep {
   ScheduledBatch batch;
@@ -41,13 +43,12 @@ struct LoopSteps {
 
 // Runs `first` (a decode batch the caller scheduled) and up to max_steps - 1 more decode steps, each scheduled
 // (forced DECODE) and processed here, while no sequence waits or is mid-prefill (the next step could be a
-// prefill) and a step was scheduled. Each row's token is its greedy token, or with `sampling` sample_tokens' draw
-// from its logits at offset (its offset + steps it ran in this loop); a row with NaN or inf logits gets -1 either
-// way. The caller guarantees no sequence needs anything per step outside the scheduler (stop strings, logprobs,
+// prefill) and a step was scheduled. Each step is drawn by decode_drawn, with `draws` (per row of `first`, or
+// empty) at each sequence's offset plus the steps it ran in this loop. The caller guarantees no sequence needs anything per step outside the scheduler (stop strings, logprobs,
 // logits processors, grammars). counts: max_steps rows of counts_per_step counters, row k decode_step's counts of
 // step k (or null).
 LoopSteps run_decode_steps(Scheduler& scheduler, const DecoderStack& stack, ScheduledBatch first, int max_steps,
-                           const LoopSampling& sampling, int64_t* counts, int64_t counts_per_step, bool bf16,
+                           const Draws& draws, int64_t* counts, int64_t counts_per_step, bool bf16,
                            int num_threads);
 
 }  // namespace deepinfer

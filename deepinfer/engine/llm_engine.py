@@ -62,12 +62,6 @@ class SeqState:
         logits processors or grammar."""
         return self.params.logprobs is None and self.logits_ctx is None and self.grammar is None
 
-    @property
-    def plain_greedy(self) -> bool:
-        """Whether its tokens are the plain argmax of the raw logits, with nothing else wanted (Sampler.plain_greedy's
-        rule for one row)."""
-        return self.params.temperature == 0 and self.plain_draw
-
 
 @dataclass
 class Request:
@@ -348,7 +342,7 @@ class LLMEngine:
             torch.zeros(max_steps, self.eplb.recorder.step_flat().numel(), dtype=torch.int64)
         done = []
         try:
-            evicted = self.runner.decode_steps(self.scheduler, batch, max_steps, self._loop_sampling(states), counts,
+            evicted = self.runner.decode_steps(self.scheduler, batch, max_steps, self._plain_sampling(states), counts,
                                                done)
         finally:
             outputs = [out for k, (step, results) in enumerate(done)
@@ -358,8 +352,9 @@ class LLMEngine:
         self._count_preemptions(evicted)
         return outputs, sum(step.num_tokens for step, _ in done)
 
-    def _loop_sampling(self, states: list[SeqState]) -> tuple | None:
-        """decode_steps' sampling for rows `states`: None when all are greedy, else their _draw_params."""
+    def _plain_sampling(self, states: list[SeqState]) -> tuple | None:
+        """The one-call steps' sampling for plain-draw rows `states`: None when all are greedy, else their
+        _draw_params."""
         return None if all(s.params.temperature == 0 for s in states) else self._draw_params(states)
 
     def _loop_step_done(self, k: int, batch, results, counts: torch.Tensor | None) -> list[RequestOutput]:
@@ -415,12 +410,12 @@ class LLMEngine:
         return [self._finish_request(r) for r in finished if self._request_done(r)]
 
     def _execute(self, batch, states: list[SeqState]) -> SamplerOutput:
-        """The forward and the draw of the sampled rows' states. A decode step whose rows all draw the plain argmax
-        tries the runner's one-call greedy step first, which builds no sampling parameters or tensors (~0.3 ms of a
-        batch-1 step's Python, on caches the weight stream has just emptied); a prefill's torch ops run on all
-        threads (platform.set_threads)."""
-        if batch.type == _C.StepType.DECODE and all(s.plain_greedy for s in states):
-            out = self.runner.greedy(batch)
+        """The forward and the draw of the sampled rows' states. A decode step whose rows are all plain draws tries
+        the runner's one-call step first, which builds no tensors and runs no Python sampler (~0.3 ms of a batch-1
+        step's Python greedy, ~1 ms sampled, on caches the weight stream has just emptied); a prefill's torch ops
+        run on all threads (platform.set_threads)."""
+        if batch.type == _C.StepType.DECODE and all(s.plain_draw for s in states):
+            out = self.runner.draw(batch, self._plain_sampling(states))
             if out is not None:
                 return out
         sampling = self._sampling_batch(states)

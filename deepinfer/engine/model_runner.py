@@ -12,7 +12,7 @@ class ModelRunner:
     def __init__(self, model, block_size: int):
         self.model, self.block_size = model, block_size
         self.sampler = Sampler()
-        self._greedy = getattr(model, "decode_greedy", None)  # optional: models that draw inside their decode call
+        self._drawn = getattr(model, "decode_drawn", None)  # optional: models that draw inside their decode call
         self._steps = getattr(model, "decode_steps", None)  # optional: and run decode steps back to back
 
     def prepare(self, batch) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -63,11 +63,12 @@ class ModelRunner:
         input_ids, meta = self.prepare(batch)
         return self.sampler(self._logits(batch, input_ids, meta, _decodes_all(batch, meta)), sampling)
 
-    def greedy(self, batch) -> SamplerOutput | None:
-        """A decode step whose rows all draw the plain argmax (Sampler.plain_greedy), drawn in the model's own call
-        from the batch's arrays (decode_greedy): no tensors built, no logits through Python. None where the model
-        has no such call or cannot run this step in one (nothing ran)."""
-        tokens = None if self._greedy is None else self._greedy(batch)
+    def draw(self, batch, sampling: tuple | None) -> SamplerOutput | None:
+        """A decode step whose rows are all plain draws (greedy or sampled, nothing else wanted), drawn in the
+        model's own call from the batch's arrays (decode_drawn; sampling: None for all greedy, else the rows' sampler
+        arguments): no tensors built, no logits through Python. None where the model has no such call or cannot run
+        this step in one (nothing ran)."""
+        tokens = None if self._drawn is None else self._drawn(batch, sampling)
         return None if tokens is None else SamplerOutput(tokens, None, None, None, None)
 
     def decode_steps(self, scheduler, batch, max_steps: int, sampling: tuple | None, counts: torch.Tensor | None,

@@ -355,24 +355,25 @@ def decode_step(stack: tuple, input_ids: torch.Tensor, positions: torch.Tensor, 
     return out if logits is None else logits
 
 
-def decode_greedy(stack: tuple, batch, counts: torch.Tensor | None = None) -> torch.Tensor:
+def decode_drawn(stack: tuple, batch, sampling: tuple | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """decode_step over a scheduled decode batch (a C++ ScheduledBatch of one token per sequence) read from its own
-    arrays, with the stack's head: each row's first argmax of its logits [T] int64, -1 for a row with NaN or inf.
-    Building decode_step's tensors from the batch costs ~0.3 ms of a batch-1 step's Python (on caches the weight
-    stream has just emptied); this builds none. counts as decode_step's."""
+    arrays, with the stack's head, and each row's token [T] int64 drawn from its logits: the first argmax, or with
+    sampling (per row, lists: temperature, top_k, top_p, min_p, seeds, offsets) sample()'s draw; -1 for a row with
+    NaN or inf. Building decode_step's tensors from the batch costs ~0.3 ms of a batch-1 step's Python (on caches
+    the weight stream has just emptied), the Python sampler's ~0.7 ms more; this builds none. counts as
+    decode_step's."""
     dtype, _, vocab, num_counts, weights = stack
     _check_vector(counts, "counts", torch.int64, num_counts)
-    return torch.from_numpy(_C.decode_greedy(weights, batch, _ptr(counts), dtype == torch.bfloat16,
-                                             platform.kernel_threads()))
+    return torch.from_numpy(_C.decode_drawn(weights, batch, sampling, _ptr(counts), dtype == torch.bfloat16,
+                                            platform.kernel_threads()))
 
 
 def decode_steps(stack: tuple, scheduler, batch, max_steps: int, sampling: tuple | None, counts: torch.Tensor | None,
                  done: list) -> list:
-    """decode_greedy over `batch` (a decode ScheduledBatch of `scheduler`) and up to max_steps - 1 more decode
+    """decode_drawn over `batch` (a decode ScheduledBatch of `scheduler`) and up to max_steps - 1 more decode
     steps, each scheduled and processed by the scheduler in C++ while no sequence waits or is mid-prefill; appends
-    (batch, scheduler.process outputs) per step to done, also when a later step raises. sampling: None (every
-    row greedy) or per sequence of `batch`, in its row order, (temperature, top_k, top_p, min_p, seeds, offsets)
-    lists: each row drawn as sample() draws it, at offset + the steps it ran in this call. counts [max_steps,
+    (batch, scheduler.process outputs) per step to done, also when a later step raises. sampling: decode_drawn's,
+    per sequence of `batch` in its row order; each row drawn at its offset + the steps it ran in this call. counts [max_steps,
     sum of the layers' E_logical] int64: row k added to by step k (or None). Returns the sequences a last decode
     schedule evicted without running (see csrc/engine/decode_loop.h)."""
     dtype, _, _, num_counts, weights = stack

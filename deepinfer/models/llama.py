@@ -225,12 +225,13 @@ class LlamaForCausalLM(nn.Module):
         out = self._decode(input_ids, meta, head=True)
         return self.compute_logits(self(input_ids, meta)) if out is None else out
 
-    def decode_greedy(self, batch) -> torch.Tensor | None:
-        """A scheduled decode batch's (C++ ScheduledBatch, one token per sequence) greedy tokens [T] int64: each row's
-        first argmax of forward_logits (-1 for a row with NaN or inf), drawn in one C++ call from the batch's own
-        arrays; None where the step cannot run in one call with the head (nothing ran)."""
+    def decode_drawn(self, batch, sampling: tuple | None) -> torch.Tensor | None:
+        """A scheduled decode batch's (C++ ScheduledBatch, one token per sequence) tokens [T] int64 drawn from
+        forward_logits in one C++ call from the batch's own arrays: each row's first argmax, or as the sampler draws
+        with `sampling` (cpu_ops.decode_drawn); -1 for a row with NaN or inf. None where the step cannot run in one
+        call with the head (nothing ran)."""
         stack = self._decode_stack(batch.num_seqs, head=True)
-        return None if stack is None else cpu_ops.decode_greedy(stack, batch, self._step_counts())
+        return None if stack is None else cpu_ops.decode_drawn(stack, batch, sampling, self._step_counts())
 
     def decode_steps(self, scheduler, batch, max_steps: int, sampling: tuple | None, counts: torch.Tensor | None,
                      done: list) -> list | None:

@@ -5,7 +5,7 @@ by wrapping the calls step() already makes (no change to what they do):
 - schedule:  scheduler.schedule() (C++; it also builds the flat input arrays)
 - prepare:   runner.prepare(): arrays -> torch tensors and attention metadata
 - forward:   runner.execute() / runner.logits_all() minus prepare and the sampler (model forward, logits), or
-             runner.greedy() (a greedy decode step drawn in the model's own call, decode_greedy: its argmax too),
+             runner.draw() (a decode step drawn in the model's own call, decode_drawn: its draw too),
              or runner.decode_steps() (num_scheduler_steps > 1: a run of decode steps in one C++ call, greedy
              or sampled and drawn there, which also schedules and processes every step of the run after its first)
 - sampling:  engine._sampling_batch() (per-row parameter tensors) plus runner.sampler(), or the
@@ -65,11 +65,11 @@ class StepTimer:
         # Instance attributes shadow the methods; the originals stay bound to the same objects.
         r.prepare = _Timed(type(r).prepare.__get__(r), self.acc, "prepare")
         r.execute = _Timed(type(r).execute.__get__(r), self.acc, "execute")
-        r.greedy = _Timed(type(r).greedy.__get__(r), self.acc, "greedy")
+        r.draw = _Timed(type(r).draw.__get__(r), self.acc, "draw")
         r.decode_steps = _Timed(type(r).decode_steps.__get__(r), self.acc, "decode_steps")
         r.sampler = _Timed(r.sampler, self.acc, "sampler")
         e._sampling_batch = _Timed(type(e)._sampling_batch.__get__(e), self.acc, "sampling_batch")
-        self._wrapped = [(r, "prepare"), (r, "execute"), (r, "greedy"), (r, "decode_steps"), (e, "_sampling_batch")]
+        self._wrapped = [(r, "prepare"), (r, "execute"), (r, "draw"), (r, "decode_steps"), (e, "_sampling_batch")]
         spec = getattr(e, "spec", None)  # speculative decoding, where the engine has it
         for obj, name, key in ((r, "logits_all", "logits_all"), (spec, "prepare", "draft"), (spec, "verify", "verify")):
             if obj is not None and hasattr(type(obj), name):
@@ -96,7 +96,7 @@ def split(total: float, acc: dict) -> dict:
     """Phase seconds from the wrapped calls' times; output is the remainder, so phases sum to total."""
     g = acc.get
     phases = {"draft": g("draft", 0.0), "schedule": g("schedule", 0.0), "prepare": g("prepare", 0.0),
-              "forward": g("execute", 0.0) + g("logits_all", 0.0) + g("greedy", 0.0) + g("decode_steps", 0.0)
+              "forward": g("execute", 0.0) + g("logits_all", 0.0) + g("draw", 0.0) + g("decode_steps", 0.0)
               - g("prepare", 0.0) - g("sampler", 0.0),
               "sampling": g("sampling_batch", 0.0) + g("sampler", 0.0) + g("verify", 0.0)}
     phases["output"] = total - sum(phases.values())
