@@ -142,8 +142,10 @@ struct RowScratch {
   Bins bins;
 };
 
+// bin_tokens' vector rule for one token: a NaN (which the op does not take) lands in the last bin, as min_ps puts it.
 int bin_of(float z, float zmax) {
-  return static_cast<int>(std::min((zmax - z) * kBinsPerUnit, static_cast<float>(kBins - 1)));
+  const float d = (zmax - z) * kBinsPerUnit;
+  return d < kBins - 1 ? static_cast<int>(d) : kBins - 1;
 }
 
 __m256i keys8(__m256 z) {
