@@ -44,9 +44,9 @@ struct LoopSteps {
 // Runs `first` (a decode batch the caller scheduled) and up to max_steps - 1 more decode steps, each scheduled
 // (forced DECODE) and processed here, while no sequence waits or is mid-prefill (the next step could be a
 // prefill) and a step was scheduled. Each step is drawn by decode_drawn, with `draws` (per row of `first`, or
-// empty) at each sequence's offset plus the steps it ran in this loop. The caller guarantees no sequence needs anything per step outside the scheduler (stop strings, logprobs,
-// logits processors, grammars). counts: max_steps rows of counts_per_step counters, row k decode_step's counts of
-// step k (or null).
+// empty) at each sequence's offset plus the steps it ran in this loop. The caller guarantees no sequence needs
+// anything per step outside the scheduler (stop strings, logprobs, logits processors, grammars). counts:
+// max_steps rows of counts_per_step counters, row k decode_step's counts of step k (or null).
 LoopSteps run_decode_steps(Scheduler& scheduler, const DecoderStack& stack, ScheduledBatch first, int max_steps,
                            const Draws& draws, int64_t* counts, int64_t counts_per_step, bool bf16,
                            int num_threads);

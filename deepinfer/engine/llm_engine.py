@@ -334,7 +334,8 @@ class LLMEngine:
         replan = None if self.eplb is None else self.eplb.steps_to_replan()
         return n if replan is None else min(n, replan)
 
-    def _run_decode_steps(self, batch, states: list[SeqState], max_steps: int) -> tuple[list[RequestOutput], int] | None:
+    def _run_decode_steps(self, batch, states: list[SeqState],
+                          max_steps: int) -> tuple[list[RequestOutput], int] | None:
         """Runs `batch` (states: its rows') and up to max_steps - 1 more decode steps in one C++ call
         (ModelRunner.decode_steps), then each step's bookkeeping in order, also for the steps before one that
         raises. None where the model cannot run them so (nothing ran)."""

@@ -355,7 +355,8 @@ def decode_step(stack: tuple, input_ids: torch.Tensor, positions: torch.Tensor, 
     return out if logits is None else logits
 
 
-def decode_drawn(stack: tuple, batch, sampling: tuple | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+def decode_drawn(stack: tuple, batch, sampling: tuple | None = None,
+                 counts: torch.Tensor | None = None) -> torch.Tensor:
     """decode_step over a scheduled decode batch (a C++ ScheduledBatch of one token per sequence) read from its own
     arrays, with the stack's head, and each row's token [T] int64 drawn from its logits: the first argmax, or with
     sampling (per row, lists: temperature, top_k, top_p, min_p, seeds, offsets) sample()'s draw; -1 for a row with
@@ -373,9 +374,9 @@ def decode_steps(stack: tuple, scheduler, batch, max_steps: int, sampling: tuple
     """decode_drawn over `batch` (a decode ScheduledBatch of `scheduler`) and up to max_steps - 1 more decode
     steps, each scheduled and processed by the scheduler in C++ while no sequence waits or is mid-prefill; appends
     (batch, scheduler.process outputs) per step to done, also when a later step raises. sampling: decode_drawn's,
-    per sequence of `batch` in its row order; each row drawn at its offset + the steps it ran in this call. counts [max_steps,
-    sum of the layers' E_logical] int64: row k added to by step k (or None). Returns the sequences a last decode
-    schedule evicted without running (see csrc/engine/decode_loop.h)."""
+    per sequence of `batch` in its row order; each row drawn at its offset + the steps it ran in this call.
+    counts [max_steps, sum of the layers' E_logical] int64: row k added to by step k (or None). Returns the
+    sequences a last decode schedule evicted without running (see csrc/engine/decode_loop.h)."""
     dtype, _, _, num_counts, weights = stack
     if counts is not None:
         _check(counts, "counts", torch.int64, 2)
