@@ -48,13 +48,13 @@ def mixed_params(n: int) -> list[SamplingParams]:
                            stop_token_ids=[17] if i == 1 else None) for i in range(n)]
 
 
-def sampled_params(n: int) -> list[SamplingParams]:
+def sampled_params(n: int, **extra) -> list[SamplingParams]:
     """mixed_params drawn with each of the sampler's filters (seeded, and one from the engine's seed), and one
-    greedy row among them."""
+    greedy row among them; `extra` for each."""
     filters = [dict(temperature=0.8, seed=5), dict(temperature=1.2, top_k=7, seed=6), dict(temperature=0),
                dict(temperature=0.9, top_p=0.8), dict(temperature=0.7, min_p=0.1, top_k=20, top_p=0.9, seed=8)]
     return [SamplingParams(max_tokens=p.max_tokens, ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids,
-                           **filters[i % len(filters)]) for i, p in enumerate(mixed_params(n))]
+                           **filters[i % len(filters)], **extra) for i, p in enumerate(mixed_params(n))]
 
 
 @pytest.mark.parametrize("params, loop", [(mixed_params, "loop"), (sampled_params, "sampled loop")])
@@ -62,12 +62,24 @@ def test_back_to_back_steps_equal_one_step_per_call(tiny_qwen3_moe, kernels, par
     ps = prompts(5)
     ref_llm = engine(tiny_qwen3_moe, 1)
     ref = summary(ref_llm, ref_llm.generate(ps, params(5), use_tqdm=False))
-    assert {kind for kind, _ in kernels} <= {"one"}  # one step per call
+    assert {kind for kind, _ in kernels} == {"one"} and len(kernels) == ref[1]  # one step per call
     kernels.clear()
     llm = engine(tiny_qwen3_moe, 8)
     assert summary(llm, llm.generate(ps, params(5), use_tqdm=False)) == ref
     assert {kind for kind, _ in kernels} == {loop} and len(kernels) < ref[1] / 3  # decode steps run 8 at a time
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.cache.num_blocks
+
+
+def test_one_call_draws_equal_the_python_samplers(tiny_qwen3_moe, kernels):
+    """A sampled decode step drawn in its C++ call draws the tokens the Python sampler draws from the step's logits
+    (the same requests asking for logprobs take that path: logprobs do not change a draw)."""
+    ps = prompts(5)
+    drawn = [o.outputs[0].token_ids for o in engine(tiny_qwen3_moe, 1).generate(ps, sampled_params(5), use_tqdm=False)]
+    assert kernels and {kind for kind, _ in kernels} == {"one"}
+    kernels.clear()
+    sampled = [o.outputs[0].token_ids for o in engine(tiny_qwen3_moe, 1).generate(ps, sampled_params(5, logprobs=0),
+                                                                                   use_tqdm=False)]
+    assert sampled == drawn and not kernels
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
