@@ -176,8 +176,8 @@ void histogram(int64_t V, RowScratch& r) {
   }
 }
 
-// Drops min-p's tokens (z = -inf) and bins every token: masses exp(z - zmax) (exp8) where min-p or top-p needs
-// them (else 1), bin indices, then the histograms.
+// Drops min-p's tokens (z = -inf) and gives every token its mass exp(z - zmax) (exp8; 1 where neither min-p nor
+// top-p needs it) and bin.
 void bin_tokens(float* z, int64_t V, float zmax, const SampleParams& p, bool masses, RowScratch& r) {
   const __m256 top = _mm256_set1_ps(zmax), min_p = _mm256_set1_ps(p.min_p), ninf = _mm256_set1_ps(-INFINITY);
   const __m256 scale = _mm256_set1_ps(kBinsPerUnit), last = _mm256_set1_ps(kBins - 1);
@@ -199,7 +199,6 @@ void bin_tokens(float* z, int64_t V, float zmax, const SampleParams& p, bool mas
     r.aux[v] = m;
     r.bin[v] = z[v] == -INFINITY ? kDropped : bin_of(z[v], zmax);
   }
-  histogram(V, r);
 }
 
 // (key, mass) of bin b's tokens with key >= floor, in r.members, sorted by key, descending.
@@ -273,6 +272,8 @@ void filter(float* z, int64_t V, float zmax, const SampleParams& p, RowScratch& 
   const bool filter_k = p.top_k > 0 && p.top_k < V, filter_p = p.top_p < 1.0f;
   if (!filter_k && !filter_p && p.min_p <= 0) return;
   bin_tokens(z, V, zmax, p, p.min_p > 0 || filter_p, r);
+  if (!filter_k && !filter_p) return;  // min-p alone: its drops are done
+  histogram(V, r);
   int64_t kept = 0;
   for (int b = 0; b <= r.bins.last; ++b) kept += r.bins.count[b];
   int32_t threshold = INT32_MIN;
