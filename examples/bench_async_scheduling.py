@@ -12,7 +12,7 @@ import time
 
 from deepinfer import LLM, SamplingParams, platform
 from deepinfer.docs import write_section
-from examples.bench_medium_moe import NEW, PROMPT, prompts
+from examples.bench_medium_moe import NEW, PROMPT, alternated, medium_llm, prompts
 from examples.make_medium_qwen3_moe import make
 
 MODES = ("sync", "async")
@@ -45,16 +45,6 @@ def decode_ms(llm: LLM, batch: int) -> tuple[float, float]:
     return 1000 * total / steps, 1000 * (total - forward) / steps
 
 
-def measure(llms: dict, batches: list[int], rounds: int) -> dict:
-    """{(mode, batch): [(ms per step, ms outside the forward), one per round]}."""
-    ms = {(m, b): [] for m in MODES for b in batches}
-    for r in range(rounds):
-        for b in batches:
-            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                ms[mode, b].append(decode_ms(llms[mode], b))
-    return ms
-
-
 def table(ms: dict, batches: list[int], threads: int) -> str:
     rows = ["| threads | batch | sync ms | async ms | async / sync | sync outside ms | async outside ms | "
             "per round (sync / async) |", "|---|---|---|---|---|---|---|---|"]
@@ -72,10 +62,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     path = make()
-    common = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=max(args.batches), kv_cache_memory=512 << 20,
-                  num_threads=args.threads)
-    llms = {m: LLM(path, async_scheduling=m == "async", **common) for m in MODES}
-    text = table(measure(llms, args.batches, args.rounds), args.batches, args.threads)
+    llms = {m: medium_llm(path, args.batches, args.threads, async_scheduling=m == "async") for m in MODES}
+    # {(mode, batch): [(ms per step, ms outside the forward), one per round]}
+    ms = alternated(MODES, args.batches, args.rounds, lambda m, b: decode_ms(llms[m], b))
+    text = table(ms, args.batches, args.threads)
     print(text)
     header = (f"Medium Qwen3-MoE, bf16, {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per step "
               f"(schedule, forward, sampling and output processing), medians of {args.rounds} rounds alternated in "

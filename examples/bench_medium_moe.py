@@ -20,6 +20,23 @@ from examples.sweep.roofline import measure
 PROMPT, NEW = 64, 64
 
 
+def medium_llm(path: str, batches: list[int], threads: int, **options) -> LLM:
+    """The medium checkpoint at `path` in bf16, sized for batches of up to max(batches) PROMPT + NEW tokens."""
+    return LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=max(batches), kv_cache_memory=512 << 20,
+               num_threads=threads, **options)
+
+
+def alternated(modes: list, batches: list[int], rounds: int, run) -> dict:
+    """{(mode, batch): [run(mode, batch), one per round]}: every round runs each batch in every mode, the modes in
+    reverse order every other round (the host's drift falls on both sides)."""
+    out = {(m, b): [] for m in modes for b in batches}
+    for r in range(rounds):
+        for b in batches:
+            for m in (modes if r % 2 == 0 else modes[::-1]):
+                out[m, b].append(run(m, b))
+    return out
+
+
 def prompts(batch: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(batch)
     return [torch.randint(3, vocab, (PROMPT,), generator=g).tolist() for _ in range(batch)]
@@ -67,8 +84,8 @@ def main():
     args = ap.parse_args()
     path = make()
     rates = measure(args.threads)
-    llm = LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=max(args.batches), kv_cache_memory=512 << 20,
-              num_threads=args.threads)  # the engine sets the process-wide count transformers runs with too
+    # The engine sets the process-wide thread count transformers runs with too.
+    llm = medium_llm(path, args.batches, args.threads)
     cfg = llm.engine.hf_config
     ours = {b: deepinfer_decode_ms(llm, b) for b in args.batches}
     del llm

@@ -11,7 +11,7 @@ import time
 
 from deepinfer import LLM, SamplingParams, platform
 from deepinfer.docs import write_section
-from examples.bench_medium_moe import NEW, PROMPT, prompts
+from examples.bench_medium_moe import NEW, PROMPT, alternated, medium_llm, prompts
 from examples.make_medium_qwen3_moe import make
 
 STEPS = (1, 8)
@@ -37,25 +37,16 @@ def decode_ms(llm: LLM, batch: int, draw: str) -> float:
     return 1000 * spent / steps
 
 
-def measure(llms: dict, batches: list[int], rounds: int) -> dict:
-    """{(draw, k, batch): [ms per step, one per round]}."""
-    ms = {(d, k, b): [] for d, k in MODES for b in batches}
-    for r in range(rounds):
-        for b in batches:
-            for d, k in (MODES if r % 2 == 0 else MODES[::-1]):
-                ms[d, k, b].append(decode_ms(llms[k], b, d))
-    return ms
-
-
 def table(ms: dict, batches: list[int], threads: int) -> str:
+    """ms: {((draw, k), batch): [ms per step, one per round]}."""
     med = {key: statistics.median(v) for key, v in ms.items()}
     rows = ["| threads | batch | greedy ms (k=1) | sampled ms (k=1) | sampled / greedy (k=1) | greedy ms (k=8) | "
             "sampled ms (k=8) | sampled / greedy (k=8) | sampled k=8 / k=1 |", "|---|---|---|---|---|---|---|---|---|"]
     for b in batches:
-        g1, s1, g8, s8 = (med[d, k, b] for k in STEPS for d in DRAWS)
+        g1, s1, g8, s8 = (med[(d, k), b] for k in STEPS for d in DRAWS)
         rows.append(f"| {threads} | {b} | {g1:.1f} | {s1:.1f} | {s1 / g1:.3f} | {g8:.1f} | {s8:.1f} | {s8 / g8:.3f} | "
                     f"{s8 / s1:.3f} |")
-    per_round = "; ".join(f"batch {b}: " + ", ".join(f"{d} k={k} " + " / ".join(f"{x:.1f}" for x in ms[d, k, b])
+    per_round = "; ".join(f"batch {b}: " + ", ".join(f"{d} k={k} " + " / ".join(f"{x:.1f}" for x in ms[(d, k), b])
                                                      for d, k in MODES) for b in batches)
     return "\n".join(rows) + f"\n\nPer round (ms): {per_round}."
 
@@ -67,10 +58,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     path = make()
-    common = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=max(args.batches), kv_cache_memory=512 << 20,
-                  num_threads=args.threads)
-    llms = {k: LLM(path, num_scheduler_steps=k, **common) for k in STEPS}
-    text = table(measure(llms, args.batches, args.rounds), args.batches, args.threads)
+    llms = {k: medium_llm(path, args.batches, args.threads, num_scheduler_steps=k) for k in STEPS}
+    ms = alternated(MODES, args.batches, args.rounds, lambda mode, b: decode_ms(llms[mode[1]], b, mode[0]))
+    text = table(ms, args.batches, args.threads)
     print(text)
     header = (f"Medium Qwen3-MoE, bf16, {PROMPT} prompt + {NEW} new tokens, ignore EOS; greedy against sampled "
               f"(temperature 0.8, top-p 0.95, a seed per request), one decode step per engine call (k=1) and "

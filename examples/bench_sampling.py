@@ -56,5 +56,6 @@ def main() -> None:
     print(body)
     write_section("Sampling on the CPU", body)
 
+
 if __name__ == "__main__":
     main()
