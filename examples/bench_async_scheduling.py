@@ -1,8 +1,8 @@
 """Async scheduling (LLM(async_scheduling=True)) against synchronous steps on the medium Qwen3-MoE (bf16, 64 prompt
 + 64 new tokens, greedy, ignore EOS): decode ms per step at batch 1, 16 and 64, both engines in one process and
 alternated round by round (the order flips each round), medians of the rounds. Beside each step time: the part of
-it outside the forward and sampling (runner.execute), which is all async scheduling can hide and, unlike the step
-time, barely moves with the weight stream's noise. Writes the table into docs/benchmarks.md.
+it outside the forward and sampling (runner.draw or runner.execute), which is all async scheduling can hide and,
+unlike the step time, barely moves with the weight stream's noise. Writes the table into docs/benchmarks.md.
 
     python examples/bench_async_scheduling.py [--threads 1] [--rounds 3] [--batches 1 16 64]
 """
@@ -19,17 +19,20 @@ MODES = ("sync", "async")
 
 
 def decode_ms(llm: LLM, batch: int) -> tuple[float, float]:
-    """(ms per decode step, ms of it outside runner.execute), over the decode steps after the first."""
-    engine, execute = llm.engine, llm.engine.runner.execute
-    spent = []
+    """(ms per decode step, ms of it outside the forward and sampling), over the decode steps after the first. The
+    forward runs in runner.draw (the one-call decode step) or, where that cannot run (it returns None having run
+    nothing), runner.execute: both are timed."""
+    engine, runner, spent = llm.engine, llm.engine.runner, []
 
-    def timed(*args):
-        t = time.perf_counter()
-        try:
-            return execute(*args)
-        finally:
-            spent.append(time.perf_counter() - t)
-    engine.runner.execute = timed
+    def timing(call):
+        def timed(*args):
+            t = time.perf_counter()
+            out = call(*args)
+            if out is not None:
+                spent.append(time.perf_counter() - t)
+            return out
+        return timed
+    runner.execute, runner.draw = timing(runner.execute), timing(runner.draw)
     for i, p in enumerate(prompts(batch, engine.vocab_size)):
         engine.add_request(f"b{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     engine.step()  # the prefill, and in async mode the first decode step's launch
@@ -39,7 +42,7 @@ def decode_ms(llm: LLM, batch: int) -> tuple[float, float]:
         engine.step()
         steps += 1
     total = time.perf_counter() - start
-    del engine.runner.execute
+    del runner.execute, runner.draw
     # Each step() in the loop completes one forward (async: the first of them was launched just before `start`).
     forward = sum(spent[-steps:])
     return 1000 * total / steps, 1000 * (total - forward) / steps
