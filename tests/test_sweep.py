@@ -65,7 +65,7 @@ def test_step_split_sums_to_total():
     assert ph["sampling"] == pytest.approx(0.005)
     assert ph["output"] == pytest.approx(0.060 - 0.001 - 0.002 - 0.044 - 0.005)
     assert sum(ph[k] for k in ("draft", "schedule", "prepare", "forward", "sampling", "output")) == pytest.approx(ph["total"])
-    # A run of greedy steps in one call (num_scheduler_steps) is forward time, not output processing.
+    # A run of decode steps in one call (num_scheduler_steps) is forward time, not output processing.
     run = split(0.080, {"schedule": 0.001, "decode_steps": 0.078})
     assert run["forward"] == pytest.approx(0.078) and run["output"] == pytest.approx(0.001)
 
