@@ -223,6 +223,72 @@ def test_disaggregation_axis_makes_deepinfer_variants_only(tmp_path, monkeypatch
     assert "disaggregation" not in json.loads(pts["a-dp1-b16"][pts["a-dp1-b16"].index("--options") + 1])
 
 
+def test_sampling_reaches_every_engine_that_draws_and_llamacpp_is_left_out(tmp_path, monkeypatch):
+    """The config's sampling goes to each point's argv; llama.cpp's bench draws no tokens, so a sampled sweep leaves
+    it out with that reason; bad sampling is refused; each engine turns it into its own sampler's arguments."""
+    monkeypatch.setattr(paths, "PEERS_DIR", str(tmp_path))
+    draw = {"temperature": 0.8, "top_p": 0.95}
+    cfg = {"model": "m", "sampling": draw, "configurations": {"ours": {"engine": "deepinfer"},
+                                                              "llama": {"engine": "llamacpp"}}}
+    said = []
+    pts = sweep.points(cfg, lambda name, why: said.append((name, why)))
+    assert list(pts) == ["ours-dp1-b1"]
+    argv = pts["ours-dp1-b1"]
+    assert json.loads(argv[argv.index("--sampling") + 1]) == draw
+    assert said == [("llama", "configuration llama: llama-batched-bench runs the forwards without drawing tokens: "
+                              "it has no sampled decode")]
+    for bad, why in (({"temperatur": 1}, "unknown sampling key"), ({"top_p": "high"}, "must be numbers"),
+                     ([0.8], "JSON object")):
+        with pytest.raises(benchmark.PointError, match=why):
+            benchmark.check_sampling("deepinfer", bad)
+    greedy = sweep.points({**cfg, "sampling": {}}, lambda *_: None)
+    assert sorted(greedy) == ["llama-dp1-b1", "ours-dp1-b1"]
+    both = sweep.points({**cfg, "configurations": {**cfg["configurations"], "ours-greedy": {"sampling": {}}}},
+                        lambda *_: None)  # a configuration's own sampling overrides the file's
+    assert json.loads(both["ours-greedy-dp1-b1"][both["ours-greedy-dp1-b1"].index("--sampling") + 1]) == {}
+    # Each engine's own arguments: deepinfer's SamplingParams, transformers' generate (its top-k of 50 switched
+    # off), vLLM's bench (the JSON as its last argument).
+    from types import SimpleNamespace
+    from examples.peers import hf_peer, vllm_peer
+    from examples.sweep.deepinfer_point import decode_params
+    sampled, plain = decode_params(SimpleNamespace(sampling=draw), 5), decode_params(SimpleNamespace(sampling={}), 5)
+    assert (sampled.temperature, sampled.top_p, sampled.max_tokens, sampled.ignore_eos) == (0.8, 0.95, 5, True)
+    assert plain.temperature == 0 and plain.top_p == 1.0
+    assert hf_peer.draw_kwargs(draw) == {"do_sample": True, "top_k": 0, "temperature": 0.8, "top_p": 0.95}
+    assert hf_peer.draw_kwargs({"top_k": 20, "temperature": 1.0})["top_k"] == 20
+    assert hf_peer.draw_kwargs({}) == {"do_sample": False}
+    python = tmp_path / "python"
+    python.write_text("")
+    monkeypatch.setattr(vllm_peer, "VLLM_PYTHON", str(python))
+    seen = {}
+
+    def fake_run(args, **kw):
+        seen["args"] = args
+        return SimpleNamespace(returncode=0, stdout=json.dumps({"decode_step_ms": 1.0}), stderr="")
+
+    monkeypatch.setattr(vllm_peer.subprocess, "run", fake_run)
+    p = SimpleNamespace(model_dir="m", batch=2, context=8, warmup=1, steps=3, sampling=draw)
+    assert vllm_peer.measure(p, {}) == {"decode_step_ms": 1.0}
+    assert json.loads(seen["args"][-1]) == draw
+
+
+def test_a_sampled_deepinfer_point_runs_and_records_its_sampling(tiny_qwen3_moe, tmp_path):
+    out = tmp_path / "p.json"
+    draw = {"temperature": 0.8, "top_p": 0.95, "min_p": 0.01}
+    argv = ["--engine", "deepinfer", "--model", tiny_qwen3_moe, "--batch", "2", "--context", "8", "--warmup", "1",
+            "--steps", "3", "--sampling", json.dumps(draw), "--no-rates-beside", "--out", str(out)]
+    assert benchmark.main(argv) == 0
+    p = json.loads(out.read_text())
+    assert p["sampling"] == draw and p["measured_steps"] >= 3 and p["decode_step_ms"] > 0
+
+
+def test_table_says_how_tokens_were_drawn(tmp_path):
+    pts = [{**_point("a", 1, 10.0), "machine": {"flags": "x"}},
+           {**_point("b", 1, 10.0), "machine": {"flags": "x"}, "sampling": {"temperature": 0.8, "top_p": 0.95}}]
+    notes = table.machine_notes(pts)
+    assert "Decode tokens drawn: greedy; sampled (temperature 0.8, top_p 0.95)" in notes
+
+
 def _round_point(points_dir, name, batch, rnd, ms, accepted=None):
     p = {**_point(name, batch, 1000 / ms, accepted=accepted), "decode_step_ms": ms, "round": rnd,
          "machine": {"load_avg": rnd}}

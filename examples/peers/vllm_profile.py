@@ -18,7 +18,7 @@ def main():
     given = [int(a) for a in sys.argv[3:6]]
     context, n, top = given + [64, 21, 14][len(given):]
     llm, prompts = engine_and_prompts(model, batch, context, n)
-    run = functools.partial(generate_seconds, llm, prompts)
+    run = functools.partial(generate_seconds, llm, prompts, {})  # greedy
 
     def op_ms(k: int) -> dict[str, float]:
         with profile(activities=[ProfilerActivity.CPU]) as prof:

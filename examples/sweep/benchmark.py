@@ -2,13 +2,16 @@
 
     python -m examples.sweep.benchmark --engine deepinfer --model medium_qwen3_moe --batch 16 \
         --context 64 --warmup 3 --steps 60 --roofline out/roofline.json --out out/x.json \
-        [--name deepinfer-bf16] [--options '{"dtype": "bfloat16"}'] [--dp 1] [--prefill-tokens 256 1024] [--round 1]
+        [--name deepinfer-bf16] [--options '{"dtype": "bfloat16"}'] [--dp 1] [--prefill-tokens 256 1024] [--round 1] \
+        [--sampling '{"temperature": 0.8, "top_p": 0.95}']
 
 Decode: `batch` sequences prefilled at `context` tokens, then `warmup` decode steps untimed and
 `steps` timed (DeepInfer uses 50 and 60). decode_avg_sps = timed steps / their total time.
 Every rate derived from it uses tokens per step as measured from the outputs
 (`accepted_tokens_per_step`, null unless `speculative` is among the options; without drafting each
 step commits exactly one token per sequence); an assumed acceptance length never enters the JSON.
+Decode steps draw greedily unless `sampling` names a temperature (and top_p / top_k / min_p), which every engine
+that draws tokens applies with its own sampler; llama.cpp's bench draws none, so it has no sampled point.
 Exit status: 0 written, 2 bad point (message on stderr), 3 peer not set up. A point not measured leaves
 its reason in OUT with .failed for .json (the sweep's table lists it); a measured one removes that file.
 """
@@ -33,6 +36,7 @@ ENGINE_OPTIONS = {
     "llamacpp": {"outtype", "num_threads"},
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p"}
 MAKERS = {"medium_qwen3_moe": "examples.make_medium_qwen3_moe", "medium_v4": "examples.make_medium_v4"}
 
 
@@ -56,6 +60,20 @@ def check_options(engine: str, opts: dict) -> None:
     if unknown:
         raise PointError(f"unknown configuration key(s) {unknown} for engine {engine}; "
                          f"known: {sorted(ENGINE_OPTIONS[engine])}")
+
+
+def check_sampling(engine: str, sampling: dict) -> None:
+    """sampling: {} (greedy) or SAMPLING_KEYS with numbers, the same for every engine of a sweep."""
+    if not isinstance(sampling, dict):
+        raise PointError(f"sampling must be a JSON object of {sorted(SAMPLING_KEYS)}, got {sampling!r}")
+    unknown = sorted(set(sampling) - SAMPLING_KEYS)
+    if unknown:
+        raise PointError(f"unknown sampling key(s) {unknown}; known: {sorted(SAMPLING_KEYS)}")
+    bad = {k: v for k, v in sampling.items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+    if bad:
+        raise PointError(f"sampling values must be numbers, got {bad}")
+    if sampling and engine == "llamacpp":
+        raise PointError("llama-batched-bench runs the forwards without drawing tokens: it has no sampled decode")
 
 
 def run_engine(p, opts: dict) -> dict:
@@ -127,7 +145,7 @@ def assemble(p, opts: dict, result: dict, floor: dict | None, seconds: float, be
     sps = result["decode_avg_sps"]
     out = {"engine": p.engine, "name": p.name, "model": p.model, "options": opts, "dp": p.dp,
            "decode_num_requests": p.batch, "context_len": p.context, "decode_warmup_steps": p.warmup,
-           "decode_steps": p.steps, "round": p.round, **result,
+           "decode_steps": p.steps, "round": p.round, "sampling": p.sampling, **result,
            "nextn": spec.get("num_draft_tokens") if isinstance(spec, dict) else None,
            "accepted_tokens_per_step": tokens if spec else None,
            "tokens_per_s_per_user": metrics.per_user_tps(sps, tokens),
@@ -152,6 +170,7 @@ def parse(argv=None):
     ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[])
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--round", type=int, default=1, help="which of the sweep's rounds this run is")
+    ap.add_argument("--sampling", default="{}", help="JSON object: how decode steps draw ({}: greedy)")
     ap.add_argument("--roofline")
     ap.add_argument("--no-rates-beside", dest="rates_beside", action="store_false",
                     help="skip measuring the floor's rates again right after the run (floor_beside)")
@@ -179,6 +198,8 @@ def main(argv=None) -> int:
     try:
         opts = json.loads(p.options)
         check_options(p.engine, opts)
+        p.sampling = json.loads(p.sampling)
+        check_sampling(p.engine, p.sampling)
         if p.batch < 1 or p.steps < 1 or p.warmup < 0 or p.dp < 1:
             raise PointError("need batch >= 1, steps >= 1, warmup >= 0, dp >= 1")
         if p.engine == "deepinfer":

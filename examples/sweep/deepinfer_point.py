@@ -32,6 +32,12 @@ def new_tokens(p, opts: dict) -> int:
     return (p.warmup + p.steps + past) * (1 + int(spec.get("num_draft_tokens", 0))) + 1
 
 
+def decode_params(p, max_tokens: int) -> SamplingParams:
+    """The decode requests' parameters: greedy, or the point's sampling (each request then draws from its own seed,
+    which the engine derives from LLM(seed=...) and the request id)."""
+    return SamplingParams(**{"temperature": 0, **p.sampling}, max_tokens=max_tokens, ignore_eos=True)
+
+
 def make_llm(p, opts: dict) -> LLM:
     """The engine for a point, sized so the decode batch and the prefill points fit in one step each."""
     new = p.new_tokens
@@ -91,7 +97,7 @@ def run_decode(engine, p) -> dict:
     """Prefill the batch, then at least `warmup` untimed decode steps and at least `steps` timed ones. An engine
     step may run several decode steps back to back (num_scheduler_steps): each of them takes an equal share of
     its call's time and phases."""
-    params = SamplingParams(temperature=0, max_tokens=p.new_tokens, ignore_eos=True)
+    params = decode_params(p, p.new_tokens)
     batch = prompts(p.batch, p.context, engine.vocab_size, seed=p.batch)
     replay_references(engine, batch, params)
     for i, ids in enumerate(batch):
@@ -166,7 +172,7 @@ def run_generate_diff(llm: LLM, p) -> dict:
     n, times, outs = p.warmup + p.steps + 1, {}, None
     for k in (1, n):
         t = time.perf_counter()
-        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(ids, decode_params(p, k), use_tqdm=False)
         times[k] = time.perf_counter() - t
     made = sum(len(c.token_ids) for o in outs for c in o.outputs)
     sps = (n - 1) / (times[n] - times[1])

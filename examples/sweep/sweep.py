@@ -6,7 +6,9 @@
                                                                 # OUTDIR/points/NAME-rROUND.json
 
 Config (JSON): {"model", "context", "warmup", "steps", "batches", "parallel", "prefill_tokens", "rounds",
-"configurations": {name: {"engine", "options", and optionally its own "batches" / "parallel"}}}.
+"sampling", "configurations": {name: {"engine", "options", and optionally its own "batches" / "parallel" /
+"sampling"}}}. "sampling" (default {}: greedy): how the engines draw their decode tokens, e.g. {"temperature": 0.8,
+"top_p": 0.95}; a configuration's own overrides the file's (greedy and sampled runs of one engine in one sweep).
 "rounds" (default 1): every point runs once per round, so each engine's repeats are spread over the
 sweep and machine drift hits all engines alike; the table reports the median over rounds.
 """
@@ -18,8 +20,8 @@ from examples.peers import paths
 from examples.sweep import benchmark
 
 TOP_KEYS = {"model", "context", "warmup", "steps", "batches", "parallel", "disaggregation", "prefill_tokens",
-            "rounds", "configurations", "comment"}
-CONFIG_KEYS = {"engine", "options", "batches", "parallel", "disaggregation", "comment"}
+            "rounds", "sampling", "configurations", "comment"}
+CONFIG_KEYS = {"engine", "options", "batches", "parallel", "disaggregation", "sampling", "comment"}
 PEER_FILES = {"vllm": paths.VLLM_PYTHON, "llamacpp": paths.LLAMA_BENCH}
 LLAMA_STAMP = paths.LLAMA_STAMP
 
@@ -49,7 +51,11 @@ def peer_problem(engine: str) -> str | None:
     return None
 
 
-def problem(name: str, conf: dict) -> str | None:
+def sampling_of(cfg: dict, conf: dict) -> dict:
+    return conf.get("sampling", cfg.get("sampling", {}))
+
+
+def problem(name: str, conf: dict, sampling: dict) -> str | None:
     """Why a configuration cannot run here (printed once; its points are left out), or None."""
     unknown = sorted(set(conf) - CONFIG_KEYS)
     if unknown:
@@ -57,6 +63,7 @@ def problem(name: str, conf: dict) -> str | None:
     engine = conf.get("engine", "deepinfer")
     try:
         benchmark.check_options(engine, conf.get("options", {}))
+        benchmark.check_sampling(engine, sampling)
     except benchmark.PointError as exc:
         return f"configuration {name}: {exc}"
     return peer_problem(engine) if engine in PEER_FILES else None
@@ -66,7 +73,7 @@ def argv_for(cfg: dict, name: str, conf: dict, dp: int, batch: int) -> list[str]
     argv = ["--engine", conf.get("engine", "deepinfer"), "--name", name, "--model", cfg["model"],
             "--options", json.dumps(conf.get("options", {})), "--batch", str(batch), "--dp", str(dp),
             "--context", str(cfg.get("context", 64)), "--warmup", str(cfg.get("warmup", 50)),
-            "--steps", str(cfg.get("steps", 60))]
+            "--steps", str(cfg.get("steps", 60)), "--sampling", json.dumps(sampling_of(cfg, conf))]
     if cfg.get("prefill_tokens") and conf.get("engine", "deepinfer") == "deepinfer":
         argv += ["--prefill-tokens", *map(str, cfg["prefill_tokens"])]
     return argv
@@ -80,7 +87,7 @@ def points(cfg: dict, report=print) -> dict[str, list[str]]:
     value, named NAME-<n_p>p<n_d>d; peers have no such mode and run once."""
     out = {}
     for base, conf in cfg["configurations"].items():
-        why = problem(base, conf)
+        why = problem(base, conf, sampling_of(cfg, conf))
         if why:
             report(base, why)
             continue

@@ -88,11 +88,19 @@ def table(points: list[dict]) -> str:
     return "\n".join([head, "|" + "---|" * 14] + [row(p) for p in points])
 
 
+def draws(p: dict) -> str:
+    """How a point's decode steps drew their tokens (points written before the sweep could sample: greedy)."""
+    sampling = p.get("sampling") or {}
+    return "sampled (" + ", ".join(f"{k} {v}" for k, v in sorted(sampling.items())) + ")" if sampling else "greedy"
+
+
 def machine_notes(pts: list[dict]) -> list[str]:
-    """The CPU flags the points ran on, and the GEMM paths deepinfer's plan chose (from its last point)."""
+    """The CPU flags the points ran on, how they drew tokens, and the GEMM paths deepinfer's plan chose (from its
+    last point)."""
     flags = sorted({p["machine"].get("flags") or p["machine"].get("cpu", "unknown CPU") for p in pts})
     plans = [p["gemm_plan"] for p in pts if p.get("gemm_plan")]
     lines = ["", "CPU: " + "; ".join(flags)] if flags else []
+    lines += ["", "Decode tokens drawn: " + "; ".join(sorted({draws(p) for p in pts}))] if pts else []
     if plans:
         lines += ["", "deepinfer's GEMM plan (shape: rows -> path):"] + [f"- {line}" for line in plans[-1]]
     return lines
