@@ -74,7 +74,10 @@ def measure(p, opts: dict) -> dict:
     n = p.warmup + p.steps + 1
     with torch.inference_mode():
         _generate(model, ids[:1, :8], 2)  # warm-up
-        r = _difference_timing(model, ids, n, p.sampling) if opts.get("timing") == "difference" else _streamer_timing(model, ids, p, n)
+        if opts.get("timing") == "difference":
+            r = _difference_timing(model, ids, n, p.sampling)
+        else:
+            r = _streamer_timing(model, ids, p, n)
     pre = r.pop("prefill_s")
     return {**r, "step_split_ms": None, "measured_tokens_per_step": 1.0,  # generate checked: n tokens each
             "prefill": [{"tokens_per_step": p.batch * p.context, "steps": 1, "step_ms": 1000 * pre,

@@ -63,7 +63,7 @@ def check_options(engine: str, opts: dict) -> None:
 
 
 def check_sampling(engine: str, sampling: dict) -> None:
-    """sampling: {} (greedy) or SAMPLING_KEYS with numbers, the same for every engine of a sweep."""
+    """sampling: {} (greedy) or some of SAMPLING_KEYS with numbers; llama.cpp takes greedy only."""
     if not isinstance(sampling, dict):
         raise PointError(f"sampling must be a JSON object of {sorted(SAMPLING_KEYS)}, got {sampling!r}")
     unknown = sorted(set(sampling) - SAMPLING_KEYS)
