@@ -295,3 +295,25 @@ def test_engine_add_request_refuses_a_prompt_dict_and_keeps_no_half_request(tiny
     while engine.has_unfinished():
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()[0]})
     assert done["r0"] == llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("ids, params, message", [
+    ([5, 99999], GREEDY, r"request 'bad': token id 99999 is outside the vocabulary"),
+    ([], GREEDY, r"request 'bad': prompt is empty"),
+    ([5, 6], SamplingParams(logit_bias={99999: 1.0}), r"request 'bad': SamplingParams.logit_bias has token id 99999"),
+    ([5, 6], {"temperature": 0}, r"request 'bad': sampling params must be SamplingParams, got dict"),
+])
+def test_engine_add_request_validates_and_the_others_run_on(tiny_llama, ids, params, message):
+    """A direct engine user gets the same checks LLM.generate makes, naming the request id, before anything
+    is registered; a request added beside it is served as if alone."""
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20)
+    engine, good = llm.engine, prompts(1)[0]
+    params_good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("good", good, params_good)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", ids, params)
+    assert list(engine.requests) == ["good"]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()[0]})
+    assert done == {"good": llm.generate([good], params_good, use_tqdm=False)[0].outputs[0].token_ids}

@@ -154,8 +154,8 @@ class LLMEngine:
         ids = eos if isinstance(eos, list) else [eos]
         return [int(i) for i in ids if i is not None and i >= 0]
 
-    def validate_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError naming the request index; changes no state."""
+    def validate_request(self, index: int | str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the request (index, or repr of its id); changes no state."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {index}: sampling params must be SamplingParams, got {type(params).__name__}")
         n = len(prompt_token_ids)
@@ -204,6 +204,9 @@ class LLMEngine:
                             f"{type(prompt_token_ids).__name__} (LLM.generate takes prompt dicts and strings)")
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
+        # the fronts validate a whole batch first; checking again here costs ~0.1 us per prompt token and
+        # keeps a direct engine user's bad request from failing inside a step shared with others
+        self.validate_request(repr(request_id), prompt_token_ids, params)
         limits = self._limits(params)
         logits_ctx = self._logits_context(params, prompt_token_ids)
         children = [child] if child else [(i, self.sequence_seed(request_id, params, i)) for i in range(params.n)]
