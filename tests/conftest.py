@@ -40,11 +40,14 @@ def _save_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def tiny_experts_plan_label() -> str:
-    """The tiny Qwen3-MoE's experts as the GEMM plan names them: the engine packs them where a packed kernel runs
-    (their shapes are multiples of 16)."""
-    from deepinfer.layers import cpu_ops
-    return "experts H 64 2I 64" + (" (packed)" if cpu_ops.PACKED_ISA else "")
+def tiny_experts_plan_label(llm=None) -> str | tuple[str, str]:
+    """The tiny Qwen3-MoE's experts as the GEMM plan names them in llm's engine: packed or not, as the engine
+    measured (their shapes are multiples of 16); without llm both names (an engine in another process)."""
+    from deepinfer.layers.moe import FusedMoE
+    names = ("experts H 64 2I 64 (packed)", "experts H 64 2I 64")
+    if llm is None:
+        return names
+    return names[0] if any(m.packed for m in llm.engine.model.modules() if isinstance(m, FusedMoE)) else names[1]
 
 
 def our_kernel_path(dtype: torch.dtype, m: int, w: torch.Tensor, packed: bool = False) -> str:

@@ -270,6 +270,33 @@ def test_expert_weights_move_between_ranks_by_plan_transfers():
     assert results == [(0, True, True), (1, True, True)]
 
 
+def _agree_worker(rank, port, flags, queue):
+    from deepinfer.distributed.process_groups import DPGroup
+
+    group = DPGroup(rank, 2, port, timeout_s=30)
+    queue.put((rank, group.agree(flags), group.agree([])))
+    group.destroy()
+
+
+def test_ranks_agree_on_a_flag_only_where_all_raise_it():
+    """What keeps an expert-parallel group's weight layouts alike (LLMEngine's agree): a flag only every rank
+    raised survives, whatever each rank measured."""
+    import torch.multiprocessing as mp
+
+    from deepinfer.distributed.process_groups import free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    queue = ctx.Queue()
+    flags = [[True, True, False, False], [True, False, True, False]]
+    procs = [ctx.Process(target=_agree_worker, args=(r, port, flags[r], queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert results == [(r, [True, False, False, False], []) for r in range(2)]
+
+
 @pytest.mark.slow
 def test_eplb_replans_across_ranks_and_keeps_greedy_outputs(tiny_qwen3_moe, ray_local):
     import ray

@@ -1,6 +1,7 @@
 """The GEMM plan: which path runs each bf16 matmul, chosen by measurement on this CPU; every path's
 results; the batch-invariant order; the cache; and the regression the plan exists for (the engine's
 path is never much slower than torch's own bf16 GEMM on the same shape)."""
+import dataclasses
 import itertools
 import logging
 import time
@@ -150,9 +151,9 @@ def test_plan_is_cached_on_disk_and_reused(tmp_path, monkeypatch):
 def test_engine_logs_its_plan_and_batch_invariant_pins_the_kernel(tiny_qwen3_moe, caplog):
     caplog.set_level(logging.INFO, logger="deepinfer")
     try:
-        LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8)
+        llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8)
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GEMM plan")]
-        assert any(line.startswith(f"GEMM plan: {tiny_experts_plan_label()}: 1") for line in lines), lines
+        assert any(line.startswith(f"GEMM plan: {tiny_experts_plan_label(llm)}: 1") for line in lines), lines
         assert any(line.startswith("GEMM plan: linear bfloat16 N 262 K 64: 1") for line in lines), lines
         LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8, batch_invariant=True)
         assert gemm_plan.PLAN.linear_path(torch.bfloat16, 64, torch.zeros(8, 8, dtype=torch.bfloat16)) == \
@@ -225,11 +226,11 @@ def test_describe_lists_the_prepared_models_shapes_only(tiny_qwen3_moe, monkeypa
     plan.linear_path(torch.bfloat16, 1, torch.zeros(40, 24, dtype=torch.bfloat16))
     assert any(line.startswith("linear bfloat16 N 40 K 24: ") for line in plan.describe())
     monkeypatch.setattr(gemm_plan, "PLAN", plan)
-    LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8)
+    llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8)
     lines = plan.describe()
     assert not any("N 40 K 24" in line for line in lines)
     assert any(("linear", torch.bfloat16, 40, 24, 1) in table for table in plan._tables.values())
-    assert any(line.startswith(f"{tiny_experts_plan_label()}: 1") for line in lines), lines
+    assert any(line.startswith(f"{tiny_experts_plan_label(llm)}: 1") for line in lines), lines
 
 
 def test_our_kernel_must_beat_torch_bf16_clearly_to_replace_it():
@@ -244,3 +245,72 @@ def test_the_widest_isa_is_kept_unless_another_is_clearly_faster():
     assert gemm_plan._choose({"cpu-amx": 1.05, "cpu-avx512": 1.0, "torch-bf16": 2.0}) == "cpu-amx"
     assert gemm_plan._choose({"cpu-amx": 1.2, "cpu-avx512": 1.0, "torch-bf16": 2.0}) == "cpu-avx512"
     assert gemm_plan._choose({"cpu-amx": 1.05, "cpu-avx512": 1.0, "torch-bf16": 1.1}) == "torch-bf16"
+
+
+def test_packing_is_decided_by_the_geometric_mean_of_measured_times(tmp_path, monkeypatch):
+    """Per layout key: packed when packed / row-major time, geometric mean over the row buckets, is below 1; the
+    answer (with its ratio) is cached on disk, so the next plan decides without measuring."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    plain = {1: 1.0, 2: 2.0, 4: 4.0}
+    plan, calls = GemmPlan(), []
+    key = ("experts-layout", 64, 128, 4)
+
+    def calibrate(packed):
+        return lambda: calls.append(packed) or {False: plain, True: packed}
+
+    assert plan._packs(key, calibrate({1: 0.5, 2: 3.0, 4: 4.0}))  # ratios 0.5, 1.5, 1: mean of logs < 0
+    assert plan.table[key] == "packed 0.91" and len(calls) == 1
+    assert GemmPlan()._packs(key, lambda: pytest.fail("a cached layout was measured again"))
+    linear = ("linear-layout", torch.bfloat16, 32, 64, 4)
+    assert not plan._packs(linear, calibrate({1: 0.9, 2: 2.2, 4: 5.0}))  # 0.9, 1.1, 1.25
+    assert plan.table[linear] == "row-major 1.07"
+    assert not any("layout" in line for line in GemmPlan().describe())
+
+
+def test_packs_times_both_layouts_of_the_same_weights(tmp_path, monkeypatch):
+    """packs_linear / packs_experts time the row-major plan and the plan of the same weights packed, at the given
+    buckets, leaving both plans in the table (so whichever layout the engine keeps is planned already)."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    plan = GemmPlan()
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    packed = plan.packs_linear(torch.bfloat16, w, [1, 2])
+    assert plan.table[("linear-layout", torch.bfloat16, 32, 64, 2)].startswith("packed" if packed else "row-major")
+    for kind, rows in itertools.product(("linear", "linear-packed"), (1, 2)):
+        assert (kind, torch.bfloat16, 32, 64, rows) in plan.table
+    moe = FusedMoE(4, 32, 24, torch.bfloat16)
+    moe.gate_up_proj.data.normal_()
+    moe.down_proj.data.normal_()
+    packed = plan.packs_experts(moe.gate_up_proj.data, moe.down_proj.data, [1])
+    assert plan.table[("experts-layout", 32, 48, 1)].startswith("packed" if packed else "row-major")
+    assert ("experts", 32, 48, 1) in plan.table and ("experts-packed", 32, 48, 1) in plan.table
+
+
+@pytest.mark.parametrize("experts, linears", [(True, False), (False, True)])
+def test_engine_packs_what_measures_faster_and_agree_has_the_last_word(tiny_qwen3_moe, monkeypatch, experts, linears):
+    """The engine packs each expert group and Linear as its shape's layout decision says, and agree (an expert-
+    parallel group's vote) can only take packing away; greedy tokens match an engine with nothing packed."""
+    monkeypatch.setattr(GemmPlan, "packs_experts", lambda self, w13, w2, rows: experts)
+    monkeypatch.setattr(GemmPlan, "packs_linear", lambda self, dtype, w, rows: linears)
+    from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.layers.linear import Linear
+
+    def layouts(engine):
+        mods = list(engine.model.modules())
+        return ({m.packed for m in mods if isinstance(m, FusedMoE)},
+                {m.packed for m in mods if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16})
+
+    measured = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=8).engine
+    exp, lin = layouts(measured)
+    assert exp == {experts} and (lin == {linears} or lin == {False, linears})  # a tied LM head stays row-major
+    votes = []
+    plain = LLMEngine(dataclasses.replace(measured.config), agree=lambda flags: votes.append(flags) or [False] * len(flags))
+    assert layouts(plain)[0] == {False} and True not in layouts(plain)[1] and True in votes[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for engine in (measured, plain):
+        engine.add_request("r", [5, 6, 7, 8], params)
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()[0]})
+        outs.append(done["r"])
+    assert outs[0] == outs[1]

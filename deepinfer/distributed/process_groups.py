@@ -61,6 +61,13 @@ class DPGroup:
         dist.all_reduce(t, group=self.vote_group)
         return tuple(int(x) for x in t)
 
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Each flag true only where every rank raised it (the same number of flags on every rank)."""
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+        if flags:
+            dist.all_reduce(t, group=self.vote_group)
+        return [int(x) == self.world_size for x in t]
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks of a CPU tensor (expert load for EPLB)."""
         dist.all_reduce(t, group=self.vote_group)

@@ -139,7 +139,7 @@ class DPRankWorker:
         logging.basicConfig(level=logging.INFO, format=f"[dp rank {rank}] %(message)s")
         self.rank, self.world_size, self.dp = rank, world_size, dp
         self.group = DPGroup(rank, world_size, port, timeout_s=dp.collective_timeout_s)
-        self.engine = LLMEngine(_rank_config(config, world_size))
+        self.engine = LLMEngine(_rank_config(config, world_size), agree=self.group.agree)
         self.sched = _ObservedScheduler(self.engine.scheduler)
         self.engine.scheduler = self.sched
         self.ep_layers, self.ep_stats = self._shard_experts()

@@ -20,10 +20,10 @@ from deepinfer.engine.kv_transfer import Handoff, StateTransfer
 from deepinfer.engine.prefix_cache import PrefixCache
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.layers import cpu_ops, gemm_plan
-from deepinfer.layers.linear import pack_linears
+from deepinfer.layers.linear import packable_linears
 from deepinfer.layers.logits_processors import LogitsContext, bad_words_token_ids, needs_processing
 from deepinfer.layers.structured_output import GrammarCompiler, SequenceGrammar
-from deepinfer.layers.moe import balanced_moe_blocks, pack_experts
+from deepinfer.layers.moe import balanced_moe_blocks, packable_experts
 from deepinfer.layers.sampler import SamplerOutput, SamplingBatch
 from deepinfer.models.loader import load_model, load_tokenizer
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -73,7 +73,9 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, agree=list):
+        """agree: [bool] -> [bool], settles which weights are packed (_pack_weights): the ranks of an
+        expert-parallel group, whose experts move between them as bytes, must all hold the same layout."""
         config.validate()
         self.config = config
         platform.set_threads(config.num_threads)
@@ -96,12 +98,12 @@ class LLMEngine:
             prepare_model(self.model, spec_cfg)
         logger.info("weights on huge pages: %.0f MiB", memory.to_huge_pages(self.model) / 2**20)
         gemm_plan.PLAN.invariant = config.batch_invariant
+        decode_rows = config.max_num_seqs * (1 + (spec_cfg.num_draft_tokens if spec_cfg else 0))
         # AVX512-BF16's packed kernel rounds activations to bf16; batch_invariant keeps the exact fp32-input kernel.
         if cpu_ops.PACKED_ISA and config.dtype == torch.bfloat16 and not config.batch_invariant:
-            logger.info("weights packed in bf16 pairs (%s): %d expert groups, %d linears", cpu_ops.PACKED_ISA,
-                        pack_experts(self.model), pack_linears(self.model))
+            self._pack_weights(decode_rows, agree)
         gemm_plan.PLAN.prepare(self.model, config.dtype, max(config.max_num_batched_tokens, config.max_num_seqs),
-                               config.max_num_seqs * (1 + (spec_cfg.num_draft_tokens if spec_cfg else 0)))
+                               decode_rows)
         spec = self.model.cache_spec(config.block_size, config.kv_cache_dtype)
         self.cache = CacheEngine(spec, config.kv_cache_memory, config.max_num_seqs, config.block_size)
         self.model.bind_cache(self.cache.paged, self.cache.state)
@@ -136,6 +138,20 @@ class LLMEngine:
             return None
         return EplbState(blocks, EplbConfig.from_dict(self.config.eplb_config), self.config.enable_eplb,
                          self.config.eplb_plan)
+
+    def _pack_weights(self, decode_rows: int, agree) -> None:
+        """Packs in bf16 pairs each expert group and Linear whose shape's plan runs 1..decode_rows rows faster packed
+        (gemm_plan packs_experts / packs_linear), as agree settles it."""
+        rows, dtype = gemm_plan.buckets_up_to(decode_rows), self.config.dtype
+        experts, linears = packable_experts(self.model), packable_linears(self.model)
+        faster = [gemm_plan.PLAN.packs_experts(m.gate_up_proj.data, m.down_proj.data, rows) for m in experts]
+        faster += [gemm_plan.PLAN.packs_linear(dtype, m.weight.data, rows) for m in linears]
+        for m, pack in zip(experts + linears, agree(faster)):
+            if pack:
+                m.pack_weights()
+        logger.info("weights packed in bf16 pairs (%s) where measured faster: %d of %d expert groups, %d of %d "
+                    "linears", cpu_ops.PACKED_ISA, sum(m.packed for m in experts), len(experts),
+                    sum(m.packed for m in linears), len(linears))
 
     def _scheduler_config(self):
         c = _C.SchedulerConfig()

@@ -15,6 +15,8 @@ only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations only, a
 bf16), "torch-fp32" (F.linear on widened weights: MKL's sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel (each ISA)
 and torch-bf16, by the expert's row count. Weights packed in bf16 pairs (Linear / FusedMoE.pack_weights) have plans
 of their own ("linear-packed", "experts-packed"): our packed kernel, or torch on the weight unpacked for the call.
+Whether a shape's weights are packed at all is measured too ("linear-layout", "experts-layout"; packs_linear,
+packs_experts): the engine packs them where their plan runs the decode row counts faster packed.
 """
 import itertools
 import json
@@ -130,6 +132,7 @@ class GemmPlan:
         self._tables: dict[tuple, dict] = {}  # _threads() -> its table
         self._loaded_threads = None
         self.model_shapes: set[tuple] = set()  # the last prepared model's shapes (plus any met later): what describe() lists
+        self._layouts_logged: set[tuple] = set()
 
     @staticmethod
     def cpu_paths(dtype: torch.dtype = torch.bfloat16, rows: int = 1, packed: bool = False) -> list[str]:
@@ -230,46 +233,100 @@ class GemmPlan:
                     self._calibrate_experts(w13, w2, [b for b in todo if _key(*head, b) not in self.table], mod.packed)
         self.model_shapes = seen
 
-    def _calibrate_linear(self, dtype: torch.dtype, w: torch.Tensor, rows: list[int], packed: bool = False) -> None:
-        """Times every path at each row count; packed weights: our packed kernel against torch's paths on the
-        weight unpacked for each call (as run_linear runs them)."""
+    def _calibrate_linear(self, dtype: torch.dtype, w: torch.Tensor, rows: list[int], packed: bool = False,
+                          also_packed: bool = False) -> dict[bool, dict[int, float]]:
+        """Times every path at each row count and keeps the fastest -> {packed: {rows: seconds of the path chosen}}.
+        packed: w is in bf16 pairs, timed on our packed kernel against torch's paths on the weight unpacked for
+        each call (as run_linear runs them). also_packed: w is row-major and is timed packed too (a packed copy),
+        the candidates of both layouts in one interleaved race."""
         n, k = w.shape
-        ring = itertools.cycle(cold_copies(w[:CAL_MAX_N]) if rows else [])  # whole packed blocks: CAL_MAX_N % 16 == 0
+        layouts = _layouts(packed, also_packed)
+        ring = _ring(rows, [w[:CAL_MAX_N]], layouts, packed)  # CAL_MAX_N % 16 == 0: whole packed blocks
         gen = torch.Generator().manual_seed(0)
+        chosen = {layout: {} for layout in layouts}
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(dtype)
-            paths = self.cpu_paths(dtype, m, packed) + (["torch-bf16"] if dtype == torch.bfloat16 else []) + ["torch-fp32"]
-            _, times = fastest({p: (lambda p=p: run_linear(p, x, next(ring)[0], None, packed=packed)) for p in paths})
-            self.table[_key(_kind("linear", packed), dtype, n, k, m)] = _choose(times)
-            logger.debug("GEMM calibration linear %dx%d rows %d: %s", n, k, m, _fmt(times))
+            paths = {layout: self.cpu_paths(dtype, m, layout) + (["torch-bf16"] if dtype == torch.bfloat16 else [])
+                     + ["torch-fp32"] for layout in layouts}
+            times = fastest({(i, p): (lambda i=i, p=p, layout=layout: run_linear(p, x, next(ring)[i][0], None,
+                                                                                  packed=layout))
+                             for i, layout in enumerate(layouts) for p in paths[layout]})[1]
+            for i, layout in enumerate(layouts):
+                mine = {p: t for (j, p), t in times.items() if j == i}
+                path = self.table[_key(_kind("linear", layout), dtype, n, k, m)] = _choose(mine)
+                chosen[layout][m] = mine[path]
+                logger.debug("GEMM calibration linear %dx%d%s rows %d: %s", n, k, " packed" * layout, m, _fmt(mine))
         self._save()
+        return chosen
 
-    def _calibrate_experts(self, w13: torch.Tensor, w2: torch.Tensor, rows: list[int], packed: bool = False) -> None:
+    def _calibrate_experts(self, w13: torch.Tensor, w2: torch.Tensor, rows: list[int], packed: bool = False,
+                           also_packed: bool = False) -> dict[bool, dict[int, float]]:
         """Times one expert per thread (our kernel gives each thread whole experts) at each row count, on
-        each of our ISAs and torch's bf16 GEMM; a row count's choice is its fastest. Packed experts: our packed
-        kernel against torch on each expert unpacked for the call (as FusedMoE runs them)."""
+        each of our ISAs and torch's bf16 GEMM; a row count's choice is its fastest. -> {packed: {rows: seconds of
+        the path chosen}}. packed: the experts are in bf16 pairs, timed on our packed kernel against torch on each
+        expert unpacked for the call (as FusedMoE runs them). also_packed: they are row-major and are timed packed
+        too (packed copies), both layouts in one interleaved race."""
         e, two_i, h = w13.shape
         n_exp = min(e, platform.kernel_threads())
-        ring = itertools.cycle(cold_copies(w13[:n_exp], w2[:n_exp]) if rows else [])
+        layouts = _layouts(packed, also_packed)
+        ring = _ring(rows, [w13[:n_exp], w2[:n_exp]], layouts, packed)
         gen = torch.Generator().manual_seed(0)
+        chosen = {layout: {} for layout in layouts}
         for m in rows:
             x = torch.randn(m * n_exp, h, generator=gen)
             counts = torch.full((n_exp,), m)
-            paths = self.cpu_paths(rows=m, packed=packed) + ["torch-bf16"]
 
-            def run(path: str, m=m, x=x, counts=counts) -> None:
-                w13s, w2s = next(ring)
+            def run(i: int, path: str, m=m, x=x, counts=counts) -> None:
+                w13s, w2s = next(ring)[i]
                 if path.startswith("cpu-"):
-                    cpu_ops.grouped_experts_bf16(x, counts, w13s, w2s, isa=path[4:], packed=packed)
+                    cpu_ops.grouped_experts_bf16(x, counts, w13s, w2s, isa=path[4:], packed=layouts[i])
                     return
-                for i in range(n_exp):
-                    torch_expert(x[i * m:(i + 1) * m], cpu_ops.row_major(w13s[i], packed),
-                                 cpu_ops.row_major(w2s[i], packed), math.inf)
+                for j in range(n_exp):
+                    torch_expert(x[j * m:(j + 1) * m], cpu_ops.row_major(w13s[j], layouts[i]),
+                                 cpu_ops.row_major(w2s[j], layouts[i]), math.inf)
 
-            times = fastest({p: (lambda p=p: run(p)) for p in paths})[1]
-            self.table[_key(_kind("experts", packed), h, two_i, m)] = _choose(times)
-            logger.debug("GEMM calibration experts h %d 2i %d rows %d: %s", h, two_i, m, _fmt(times))
+            times = fastest({(i, p): (lambda i=i, p=p: run(i, p)) for i, layout in enumerate(layouts)
+                             for p in self.cpu_paths(rows=m, packed=layout) + ["torch-bf16"]})[1]
+            for i, layout in enumerate(layouts):
+                mine = {p: t for (j, p), t in times.items() if j == i}
+                path = self.table[_key(_kind("experts", layout), h, two_i, m)] = _choose(mine)
+                chosen[layout][m] = mine[path]
+                logger.debug("GEMM calibration experts h %d 2i %d%s rows %d: %s", h, two_i, " packed" * layout, m,
+                             _fmt(mine))
         self._save()
+        return chosen
+
+    # -- layout ---------------------------------------------------------------------------------------
+
+    def packs_linear(self, dtype: torch.dtype, w: torch.Tensor, rows: list[int]) -> bool:
+        """Whether the row-major bf16 weight w [N, K] is faster packed in bf16 pairs for x [m, K] of dtype, m in
+        the row buckets `rows` (as _packs decides)."""
+        key = _key("linear-layout", dtype, *w.shape, max(rows))
+        return self._packs(key, lambda: self._calibrate_linear(dtype, w, rows, also_packed=True))
+
+    def packs_experts(self, w13: torch.Tensor, w2: torch.Tensor, rows: list[int]) -> bool:
+        """Whether row-major experts w13 [E, 2I, H], w2 [E, H, I] are faster packed in bf16 pairs for `rows`
+        (buckets of rows per expert), as _packs decides."""
+        key = _key("experts-layout", *_expert_shape(w13), max(rows))
+        return self._packs(key, lambda: self._calibrate_experts(w13, w2, rows, also_packed=True))
+
+    def _packs(self, key: tuple, calibrate) -> bool:
+        """calibrate() -> {packed: {rows: seconds}} of both layouts' plans. Packed when the geometric mean over
+        the row buckets of packed / row-major time is below 1: every bucket counts alike, so decode steps of few
+        rows weigh as much as the slower steps of many. Measured once per key and cached with the plan; logged
+        once per process."""
+        self._load()
+        if key not in self.table:
+            times = calibrate()
+            plain, packed = times[False], times[True]
+            ratio = math.exp(sum(math.log(packed[m] / plain[m]) for m in plain) / len(plain))
+            self.table[key] = f"{'packed' if ratio < 1 else 'row-major'} {ratio:.2f}"
+            self._save()
+        if key not in self._layouts_logged:
+            self._layouts_logged.add(key)
+            logger.info("GEMM plan: %s up to %d rows: %s (packed / row-major time, geometric mean over row buckets)",
+                        _label(_encode(key[:-1])), key[-1], self.table[key])
+        return self.table[key].startswith("packed")
 
     # -- cache and report -----------------------------------------------------------------------------
 
@@ -278,6 +335,8 @@ class GemmPlan:
         their paths, e.g. "linear bfloat16 N 1536 K 1024: 1-15 cpu-avx2, 16+ torch-bf16"."""
         shapes: dict[str, list[tuple[int, str]]] = {}
         for key, path in self.table.items():
+            if key[0].endswith("-layout"):
+                continue
             if not self.model_shapes or key[:-1] in self.model_shapes:
                 shapes.setdefault(_encode(key[:-1]), []).append((key[-1], path))
         return [f"{_label(head)}: {_ranges(sorted(runs))}" for head, runs in sorted(shapes.items())]
@@ -344,7 +403,8 @@ def _threads() -> tuple[int, int]:
 
 def _key(kind: str, *parts) -> tuple:
     """("linear" / "linear-packed", x dtype, N, K, rows) or ("experts" / "experts-packed", H, 2I, rows): a lookup
-    per GEMM call, so a plain tuple."""
+    per GEMM call, so a plain tuple. "linear-layout" / "experts-layout" keys end in the largest row bucket and map
+    to "packed <ratio>" or "row-major <ratio>" (_packs)."""
     return (kind, *parts)
 
 
@@ -362,12 +422,29 @@ def _decode(text: str) -> tuple:
 
 def _label(head: str) -> str:
     """"linear|bfloat16|1536|1024" -> "linear bfloat16 N 1536 K 1024"; "experts|1024|1024" -> "experts H 1024 2I 1024";
-    "experts-packed|..." -> "experts H .. 2I .. (packed)"."""
+    "experts-packed|..." -> "experts H .. 2I .. (packed)"; "experts-layout|..." -> "experts H .. 2I .. layout"."""
     p = head.split("|")
-    packed = " (packed)" if p[0].endswith("-packed") else ""
+    packed = {"packed": " (packed)", "layout": " layout"}.get(p[0].rpartition("-")[2], "")
     if p[0].startswith("linear"):
         return f"linear {p[1]} N {p[2]} K {p[3]}{packed}"
     return f"experts H {p[1]} 2I {p[2]}{packed}"
+
+
+def _layouts(packed: bool, also_packed: bool) -> list[bool]:
+    """The weight layouts a calibration times (True: bf16 pairs)."""
+    if also_packed and packed:
+        raise ValueError("also_packed times row-major weights packed; these are packed already")
+    return [packed, True] if also_packed else [packed]
+
+
+def _ring(rows: list[int], weights: list[torch.Tensor], layouts: list[bool], packed: bool):
+    """A cycle over cold copies of the weights in each layout: next(ring)[i] holds them in layouts[i] (packed: the
+    weights given are in bf16 pairs already). Empty when no rows are timed."""
+    if not rows:
+        return itertools.cycle([])
+    forms = [w if layout == packed else cpu_ops.pack_bf16_pairs(w) for layout in layouts for w in weights]
+    per = len(weights)
+    return itertools.cycle([tuple(c[i * per:(i + 1) * per] for i in range(len(layouts))) for c in cold_copies(*forms)])
 
 
 def _kind(base: str, packed: bool) -> str:

@@ -33,8 +33,8 @@ class Linear(nn.Module):
         self.packed = False  # weight holds cpu_ops.pack_bf16_pairs(...) (pack_weights)
 
     def pack_weights(self) -> None:
-        """Repacks a bf16 weight in place into bf16 pairs where this CPU's kernel reads them faster
-        (cpu_ops.PACKED_ISA); its shape and storage stay. Only for weights no other module reads as rows."""
+        """Repacks a bf16 weight in place into bf16 pairs, which cpu_ops.PACKED_ISA's kernel reads (whether that pays
+        is the engine's measured choice: gemm_plan packs_linear); its shape and storage stay. Only for weights no other module reads as rows."""
         if not self.packed and cpu_ops.can_pack(self.weight):
             cpu_ops.pack_in_place(self.weight.data)
             self.packed = True
@@ -43,11 +43,9 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias, self.packed)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Packs every Linear of the model whose weight no other parameter shares (a tied embedding reads rows)
-    -> how many are packed."""
+def packable_linears(model: nn.Module) -> list[Linear]:
+    """The Linears of the model whose weight pack_weights would pack here and no other parameter shares (a tied
+    embedding reads rows)."""
     uses = collections.Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
-    linears = [m for m in model.modules() if isinstance(m, Linear) and uses[m.weight.data_ptr()] == 1]
-    for m in linears:
-        m.pack_weights()
-    return sum(m.packed for m in linears)
+    return [m for m in model.modules() if isinstance(m, Linear) and uses[m.weight.data_ptr()] == 1
+            and not m.packed and cpu_ops.can_pack(m.weight)]

@@ -27,8 +27,8 @@ class FusedMoE(nn.Module):
         self.packed = False  # both hold cpu_ops.pack_bf16_pairs(...) per expert (pack_weights)
 
     def pack_weights(self) -> None:
-        """Repacks the bf16 experts in place into bf16 pairs where this CPU's kernel reads them faster
-        (cpu_ops.PACKED_ISA); the tensors keep their shapes, storage and per-expert slices, so EPLB moves and
+        """Repacks the bf16 experts in place into bf16 pairs, which cpu_ops.PACKED_ISA's kernel reads (whether that
+        pays is the engine's measured choice: gemm_plan packs_experts); the tensors keep their shapes, storage and per-expert slices, so EPLB moves and
         expert sharding copy packed experts as they copied row-major ones."""
         if self.packed or not cpu_ops.can_pack(self.gate_up_proj, self.down_proj):
             return
@@ -149,12 +149,10 @@ class RoutedMoE(nn.Module):
         return self.experts(x, ids, weights)
 
 
-def pack_experts(model: nn.Module) -> int:
-    """Packs every FusedMoE of the model that can be (FusedMoE.pack_weights) -> how many are packed."""
-    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    for m in experts:
-        m.pack_weights()
-    return sum(m.packed for m in experts)
+def packable_experts(model: nn.Module) -> list[FusedMoE]:
+    """The FusedMoE layers of the model whose experts pack_weights would pack here."""
+    return [m for m in model.modules()
+            if isinstance(m, FusedMoE) and not m.packed and cpu_ops.can_pack(m.gate_up_proj, m.down_proj)]
 
 
 def balanced_moe_blocks(model: nn.Module) -> list[RoutedMoE]:
