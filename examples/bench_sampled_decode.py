@@ -19,12 +19,13 @@ DRAWS = {"greedy": dict(temperature=0), "sampled": dict(temperature=0.8, top_p=0
 MODES = [(draw, k) for k in STEPS for draw in DRAWS]
 
 
-def decode_ms(llm: LLM, batch: int, draw: str) -> float:
-    """ms per decode step over the engine calls that ran decode steps only, after the first of them."""
+def decode_ms(llm: LLM, batch: int, name: str, **params) -> float:
+    """ms per decode step over the engine calls that ran decode steps only, after the first of them; the requests
+    (named `name`) take SamplingParams(**params) beside the bench's length and a seed each."""
     engine, spent, steps = llm.engine, 0.0, 0
     for i, p in enumerate(prompts(batch, engine.vocab_size)):
-        engine.add_request(f"{draw}-{batch}-{i}", p,
-                           SamplingParams(max_tokens=NEW, ignore_eos=True, seed=i, **DRAWS[draw]))
+        engine.add_request(f"{name}-{batch}-{i}-{time.monotonic_ns()}", p,
+                           SamplingParams(max_tokens=NEW, ignore_eos=True, seed=i, **params))
     warm = False
     while engine.has_unfinished():
         prefills, decodes = engine.num_steps["prefill"], engine.num_steps["decode"]
@@ -59,7 +60,8 @@ def main():
     args = ap.parse_args()
     path = make()
     llms = {k: medium_llm(path, args.batches, args.threads, num_scheduler_steps=k) for k in STEPS}
-    ms = alternated(MODES, args.batches, args.rounds, lambda mode, b: decode_ms(llms[mode[1]], b, mode[0]))
+    ms = alternated(MODES, args.batches, args.rounds,
+                    lambda mode, b: decode_ms(llms[mode[1]], b, mode[0], **DRAWS[mode[0]]))
     text = table(ms, args.batches, args.threads)
     print(text)
     header = (f"Medium Qwen3-MoE, bf16, {PROMPT} prompt + {NEW} new tokens, ignore EOS; greedy against sampled "

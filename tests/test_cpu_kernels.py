@@ -394,6 +394,33 @@ def test_greedy_tokens_first_maximum_across_vector_lanes_and_the_tail(vocab):
     assert torch.equal(cpu_ops.greedy_tokens(logits), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("vocab, n", [(32000, 5), (13, 13), (37, 0), (8, 1)])
+def test_token_logprobs_match_log_softmax(monkeypatch, vocab, n):
+    """log_softmax's values at the tokens and their ranks (1 + how many are more likely), and the n most likely in
+    descending order, lower id first among equals (a three-way tie at the top here); a row whose token is -1 is left
+    as zeros; 40 rows split over threads; n past the vocabulary is refused."""
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 2)
+    g = torch.Generator().manual_seed(vocab + n)
+    logits = torch.randn(40, vocab, generator=g) * 4
+    logits[1, [vocab - 1, vocab // 2, 0]] = logits[1].max() + 1  # ties for the top, lanes and tail apart
+    tokens = torch.randint(0, vocab, (40,), generator=g)
+    tokens[2], tokens[3] = -1, logits[3].argmax()
+    chosen, rank, top_ids, top_lp = cpu_ops.token_logprobs(logits, tokens, n)
+    logp = logits.log_softmax(-1)
+    keep = torch.arange(40) != 2
+    want = logp.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
+    assert torch.allclose(chosen[keep], want[keep], atol=2e-6, rtol=0)
+    assert torch.equal(rank[keep], (1 + (logp > want[:, None]).sum(-1))[keep]) and rank[3] == 1
+    assert chosen[2] == 0 and rank[2] == 0 and (top_ids[2] == -1).all()
+    order = sorted(range(vocab), key=lambda v: (-logits[1, v].item(), v))[:n]
+    assert top_ids[1].tolist() == order
+    by_value = logp.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(top_ids[keep], by_value.indices[keep, :n])
+    assert torch.allclose(top_lp[keep], by_value.values[keep, :n], atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="top logprobs"):
+        cpu_ops.token_logprobs(logits, tokens, vocab + 1)
+
+
 def test_sample_kernel_draws_the_reference_tokens():
     """cpu_ops.sample (the "sample" op on the CPU) against tilelang_ops' torch reference, token for token:
     60 seeds of the mixed case (greedy, top-k 1, ties, -inf rows, top-p with min-p), and a 49,152-token

@@ -142,8 +142,8 @@ def test_draws_over_a_scheduled_batch_are_those_of_the_same_step(packed):
     stack, _, (caches, _embed), _, _ = make_stack(isa, head)
     ref_counts, counts = (torch.zeros(LAYERS * EXPERTS, dtype=torch.int64) for _ in range(2))
     logits = run(ref_stack, ids, meta, ref_counts)
-    tokens = cpu_ops.decode_drawn(stack, batch, None, counts)
-    assert tokens.dtype == torch.int64 and torch.equal(tokens, cpu_ops.greedy_tokens(logits)) and (tokens >= 0).all()
+    tokens, none = cpu_ops.decode_drawn(stack, batch, None, counts)
+    assert none is None and tokens.dtype == torch.int64 and torch.equal(tokens, cpu_ops.greedy_tokens(logits)) and (tokens >= 0).all()
     assert torch.equal(counts, ref_counts) and counts.sum() == LAYERS * 2 * ids.shape[0]
     for (w_ref, *_), (w, *_) in zip(ref_caches, caches):
         assert torch.equal(w["k_cache"], w_ref["k_cache"]) and torch.equal(w["v_cache"], w_ref["v_cache"])
@@ -152,20 +152,22 @@ def test_draws_over_a_scheduled_batch_are_those_of_the_same_step(packed):
                 [7, 8, 9, 10, 11], [0, 3, 1, 4, 2])
     want = cpu_ops.sample(logits, *(torch.tensor(x) for x in sampling))
     sampled_stack, _, _sampled_held, _, _ = make_stack(isa, head)  # held: the tensors behind its pointers
-    drawn = cpu_ops.decode_drawn(sampled_stack, batch, sampling)
+    drawn, logprobs = cpu_ops.decode_drawn(sampled_stack, batch, sampling, None, 3)
     assert torch.equal(drawn, want) and not torch.equal(drawn, tokens)  # some draw is not the argmax
+    for got, ref in zip(logprobs, cpu_ops.token_logprobs(logits, want, 3)):  # at the drawn tokens, from the raw logits
+        assert torch.equal(got, ref)
 
     bad_stack, _, (_bad_caches, bad_embed), _, _ = make_stack(isa, head)
     bad_embed[ids[2]] = float("inf")  # row 2's hidden state, its norm and its logits turn NaN
     bad_ref, _, (_bad_ref_caches, bad_ref_embed), _, _ = make_stack(isa, head)
     bad_ref_embed[ids[2]] = float("inf")
-    bad_logits, bad_tokens = run(bad_ref, ids, meta), cpu_ops.decode_drawn(bad_stack, batch)
+    bad_logits, (bad_tokens, _) = run(bad_ref, ids, meta), cpu_ops.decode_drawn(bad_stack, batch)
     assert not bad_logits[2].isfinite().all() and bad_tokens[2] == -1
     rows = [t for t in range(ids.shape[0]) if ids[t] != ids[2]]
     assert rows and torch.equal(bad_tokens[rows], bad_logits[rows].argmax(-1))
     bad_sampled_stack, _, (_bad_sampled_caches, bad_sampled_embed), _, _ = make_stack(isa, head)
     bad_sampled_embed[ids[2]] = float("inf")
-    bad_drawn = cpu_ops.decode_drawn(bad_sampled_stack, batch, sampling)
+    bad_drawn, _ = cpu_ops.decode_drawn(bad_sampled_stack, batch, sampling)
     want = cpu_ops.sample(bad_logits[rows], *(torch.tensor(x)[rows] for x in sampling))
     assert bad_drawn[2] == -1 and torch.equal(bad_drawn[rows], want)
 
@@ -189,6 +191,8 @@ def test_stack_checks_and_errors_name_the_layer_or_row():
         cpu_ops.decode_drawn(head_stack, scheduler_with([3, 5]).schedule())  # a prefill
     with pytest.raises(ValueError, match="one value of each per row"):
         cpu_ops.decode_drawn(head_stack, batch, ([1.0] * 4, [0] * 5, [1.0] * 5, [0.0] * 5, [0] * 5, [0] * 5))
+    with pytest.raises(ValueError, match="num_logprobs must be -1 \\(none\\) or 0..80 \\(the vocabulary\\), got 81"):
+        cpu_ops.decode_drawn(head_stack, batch, None, None, 81)
     embed = torch.zeros(VOCAB, HIDDEN, dtype=torch.bfloat16)
     bad = [(attn, moe, None) for attn, moe in halves]
     bad[2] = (*bad[2][:2], torch.arange(EXPERTS) + EXPERTS)  # maps every expert past the physical slots
@@ -208,9 +212,8 @@ def test_stack_checks_and_errors_name_the_layer_or_row():
 @pytest.mark.parametrize("tied", [False, True])
 def test_engine_decode_steps_take_the_head_and_draw_greedy_tokens_in_the_call(tmp_path, monkeypatch, tied):
     """Decode steps run in one call with the head (an untied, packed LM head, and one tied to the embeddings):
-    with logprobs decode_step, whose logits the engine samples, without them decode_drawn on the scheduled batch,
-    which draws the greedy tokens itself. Tokens and logprobs equal those of the head-less call followed by
-    compute_logits and the sampler."""
+    decode_drawn on the scheduled batch, which draws the greedy tokens and their logprobs itself. Tokens and logprobs
+    equal those of the head-less call followed by compute_logits and the sampler."""
     path = make_qwen3_moe(str(tmp_path / "m"), tie_word_embeddings=tied)
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
     prompts = [[5, 6, 7, 8, 9], [12, 13]]
@@ -226,7 +229,7 @@ def test_engine_decode_steps_take_the_head_and_draw_greedy_tokens_in_the_call(tm
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
 
     fused, drawn = generate(3), generate(None)
-    assert calls == [(True, False)] * 7 + [(True, True)] * 7  # every decode step after the prefill's first token
+    assert calls == [(True, True)] * 14  # every decode step after the prefill's first token
     monkeypatch.setattr(LlamaForCausalLM, "_check_fused_head", lambda self, x: None)
     calls.clear()
     unfused, sampled = generate(3), generate(None)
@@ -235,7 +238,7 @@ def test_engine_decode_steps_take_the_head_and_draw_greedy_tokens_in_the_call(tm
 
 
 def test_engine_takes_one_call_per_decode_step_with_unchanged_outputs(tiny_qwen3_moe, monkeypatch):
-    """bf16 greedy tokens, logprobs and EPLB counts through decode_step equal the per-layer path's."""
+    """bf16 greedy tokens, logprobs and EPLB counts through the one-call decode step equal the per-layer path's."""
     prompts = [[5, 6, 7, 8, 9], [12, 13], [40, 41, 42, 43, 44, 45, 46, 47]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     # Every linear on our kernel, as test_attention_block's engine test does: the fused halves need it.
@@ -247,10 +250,10 @@ def test_engine_takes_one_call_per_decode_step_with_unchanged_outputs(tiny_qwen3
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.eplb.recorder.total()
 
     calls = []
-    real = cpu_ops.decode_step
-    monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: calls.append(1) or real(*a))
+    real = cpu_ops.decode_drawn
+    monkeypatch.setattr(cpu_ops, "decode_drawn", lambda *a: calls.append(1) or real(*a))
     stacked, stacked_load = generate()
-    assert len(calls) == 9  # every decode step after the prefill's first token
+    assert len(calls) == 9  # every decode step after the prefill's first token, drawn with its logprobs
     monkeypatch.setattr(LlamaForCausalLM, "_decode_stack", lambda self, rows, head: None)
     per_layer, load = generate()
     assert stacked == per_layer and torch.equal(stacked_load, load) and stacked_load.sum() > 0

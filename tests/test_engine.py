@@ -302,6 +302,7 @@ def test_engine_add_request_refuses_a_prompt_dict_and_keeps_no_half_request(tiny
     ([], GREEDY, r"request 'bad': prompt is empty"),
     ([5, 6], SamplingParams(logit_bias={99999: 1.0}), r"request 'bad': SamplingParams.logit_bias has token id 99999"),
     ([5, 6], {"temperature": 0}, r"request 'bad': sampling params must be SamplingParams, got dict"),
+    ([5, 6], SamplingParams(logprobs=10**6), r"request 'bad': SamplingParams.logprobs=1000000 is more than the vocab"),
 ])
 def test_engine_add_request_validates_and_the_others_run_on(tiny_llama, ids, params, message):
     """A direct engine user gets the same checks LLM.generate makes, naming the request id, before anything

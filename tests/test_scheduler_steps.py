@@ -1,7 +1,9 @@
 """LLM(num_scheduler_steps=k): decode steps, greedy or sampled, run back to back in one C++ call
 (csrc/engine/decode_loop.h). The same tokens, finish reasons, preemptions, step counts and expert load as one
-step per call; fewer calls; requests that need Python per step (stop strings, logprobs) and arrivals mid-run fall
-back to it."""
+step per call; fewer calls; logprobs computed there too; requests that need Python per step (stop strings) and
+arrivals mid-run fall back to it."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -70,16 +72,53 @@ def test_back_to_back_steps_equal_one_step_per_call(tiny_qwen3_moe, kernels, par
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.cache.num_blocks
 
 
+def python_sampler(llm: LLM) -> LLM:
+    """llm drawing every step through the Python sampler from logits the runner returns (no one-call draws)."""
+    llm.engine.runner._drawn = llm.engine.runner._steps = None
+    return llm
+
+
+def torch_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> tuple:
+    """cpu_ops.token_logprobs by torch's log_softmax and topk: the reference."""
+    logp = logits.log_softmax(-1)
+    chosen = logp.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
+    top = logp.topk(n, dim=-1)
+    return chosen, 1 + (logp > chosen[:, None]).sum(-1), top.indices, top.values
+
+
 def test_one_call_draws_equal_the_python_samplers(tiny_qwen3_moe, kernels):
-    """A sampled decode step drawn in its C++ call draws the tokens the Python sampler draws from the step's logits
-    (the same requests asking for logprobs take that path: logprobs do not change a draw)."""
+    """A sampled decode step drawn in its C++ call draws the tokens the Python sampler draws from the step's
+    logits."""
     ps = prompts(5)
     drawn = [o.outputs[0].token_ids for o in engine(tiny_qwen3_moe, 1).generate(ps, sampled_params(5), use_tqdm=False)]
     assert kernels and {kind for kind, _ in kernels} == {"one"}
     kernels.clear()
-    sampled = [o.outputs[0].token_ids for o in engine(tiny_qwen3_moe, 1).generate(ps, sampled_params(5, logprobs=0),
-                                                                                   use_tqdm=False)]
+    sampled = [o.outputs[0].token_ids
+               for o in python_sampler(engine(tiny_qwen3_moe, 1)).generate(ps, sampled_params(5), use_tqdm=False)]
     assert sampled == drawn and not kernels
+
+
+@pytest.mark.parametrize("k, kind", [(1, "one"), (8, "sampled loop")])
+def test_logprobs_in_the_c_calls_equal_torchs(tiny_qwen3_moe, kernels, monkeypatch, k, kind):
+    """Requests asking for logprobs (3 top ones, or only the drawn token's for some) decode in the C++ calls too, one
+    step or runs of 8, with the tokens of the Python sampler and the logprobs and ranks torch's log_softmax gives
+    from its logits (to float rounding of the log-sum)."""
+    ps = prompts(5)
+    params = [dataclasses.replace(p, logprobs=3 if i % 2 else 0) for i, p in enumerate(sampled_params(5))]
+    with monkeypatch.context() as m:
+        m.setattr(cpu_ops, "token_logprobs", torch_token_logprobs)
+        ref = python_sampler(engine(tiny_qwen3_moe, 1)).generate(ps, params, use_tqdm=False)
+    assert not kernels
+    outs = engine(tiny_qwen3_moe, k).generate(ps, params, use_tqdm=False)
+    assert {kind for kind, _ in kernels} == {kind}
+    for got, want in zip(outs, ref):
+        a, b = got.outputs[0], want.outputs[0]
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            for tok in x:
+                assert x[tok].rank == y[tok].rank and x[tok].logprob == pytest.approx(y[tok].logprob, abs=1e-5)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -97,6 +97,22 @@ void check_drawn_batch(const DecoderStack& stack, const ScheduledBatch& batch) {
 
 // Draws from None (all greedy) or six sequences of `rows` values each: temperature, top_k, top_p, min_p, seeds,
 // offsets.
+// The number of top logprobs a drawn step can report: -1 (none) up to the vocabulary.
+void check_num_logprobs(const DecoderStack& stack, int64_t n) {
+  if (n < -1 || n > stack.head->vocab)
+    throw py::value_error("num_logprobs must be -1 (none) or 0.." + std::to_string(stack.head->vocab) +
+                          " (the vocabulary), got " + std::to_string(n));
+}
+
+// A step's logprobs as numpy arrays (token_logprob [T], rank [T], top_ids [T,n], top_logprobs [T,n]), or None.
+py::object logprobs_arrays(StepLogprobs& lp) {
+  if (lp.n < 0) return py::none();
+  const auto T = static_cast<py::ssize_t>(lp.rank.size()), n = static_cast<py::ssize_t>(lp.n);
+  return py::make_tuple(py::array_t<float>(T, lp.token_logprob.data()), py::array_t<int64_t>(T, lp.rank.data()),
+                        py::array_t<int64_t>({T, n}, lp.top_ids.data()),
+                        py::array_t<float>({T, n}, lp.top_logprobs.data()));
+}
+
 Draws draws_of(const py::object& sampling, size_t rows) {
   Draws s;
   if (sampling.is_none()) return s;
@@ -311,43 +327,51 @@ void bind_cpu_kernels(py::module_& m) {
   m.def(
       "decode_drawn",
       [](const DecoderStack& stack, const ScheduledBatch& batch, py::object sampling, uintptr_t counts, bool bf16,
-         int threads) {
+         int threads, int64_t num_logprobs) {
         check_drawn_batch(stack, batch);
+        check_num_logprobs(stack, num_logprobs);
         const Draws draws = draws_of(sampling, batch.seq_ids.size());
         py::array_t<int64_t> tokens(static_cast<py::ssize_t>(batch.seq_ids.size()));
         int64_t* drawn = tokens.mutable_data();
+        StepLogprobs logprobs{num_logprobs};
         DecodeStatus status;
         {
           py::gil_scoped_release release;
-          status = decode_drawn(stack, batch, draws, reinterpret_cast<int64_t*>(counts), bf16, threads, drawn);
+          status = decode_drawn(stack, batch, draws, reinterpret_cast<int64_t*>(counts), bf16, threads, drawn,
+                                &logprobs);
         }
         raise_decode_status(status, stack, batch.input_ids.data(), batch.max_blocks);
-        return tokens;
+        return py::make_tuple(tokens, logprobs_arrays(logprobs));
       },
-      "tokens [T] int64: decode_step over a scheduled decode batch's own arrays with the stack's head, each row's "
-      "first argmax of its logits, or with sampling = (temperature, top_k, top_p, min_p, seeds, offsets) per row "
-      "sample_tokens' draw (-1 for a row with NaN or inf)");
+      "(tokens [T] int64, logprobs): decode_step over a scheduled decode batch's own arrays with the stack's head, "
+      "each row's first argmax of its logits, or with sampling = (temperature, top_k, top_p, min_p, seeds, offsets) "
+      "per row sample_tokens' draw (-1 for a row with NaN or inf); logprobs None (num_logprobs < 0) or token_logprobs' "
+      "(token_logprob [T], rank [T], top_ids [T,n], top_logprobs [T,n]) with n = num_logprobs");
   m.def(
       "decode_steps",
       [](const DecoderStack& stack, Scheduler& scheduler, const ScheduledBatch& first, int max_steps,
-         py::object sampling, uintptr_t counts, int64_t counts_per_step, bool bf16, int threads, py::list done) {
+         py::object sampling, int64_t num_logprobs, uintptr_t counts, int64_t counts_per_step, bool bf16, int threads,
+         py::list done) {
         check_drawn_batch(stack, first);
+        check_num_logprobs(stack, num_logprobs);
         if (max_steps < 1) throw py::value_error("decode_steps: max_steps must be at least 1");
         const Draws draws = draws_of(sampling, first.seq_ids.size());
         LoopSteps r;
         {
           py::gil_scoped_release release;
-          r = run_decode_steps(scheduler, stack, first, max_steps, draws, reinterpret_cast<int64_t*>(counts),
-                               counts_per_step, bf16, threads);
+          r = run_decode_steps(scheduler, stack, first, max_steps, draws, num_logprobs,
+                               reinterpret_cast<int64_t*>(counts), counts_per_step, bf16, threads);
         }
         // The steps that ran reach the caller before a failure is raised: they are processed.
-        for (LoopStep& step : r.done) done.append(py::make_tuple(std::move(step.batch), std::move(step.outputs)));
+        for (LoopStep& step : r.done)
+          done.append(py::make_tuple(std::move(step.batch), std::move(step.outputs), logprobs_arrays(step.logprobs)));
         raise_decode_status(r.status, stack, r.failed.input_ids.data(), r.failed.max_blocks);
         return r.preempted;
       },
       "runs `first` and up to max_steps - 1 more decode steps, each drawn as decode_drawn (sampling: per row of "
-      "first, at offset + the steps its sequence ran here), scheduled and processed by the scheduler, appending "
-      "(batch, outputs) per step to done; returns the sequences a last schedule evicted");
+      "first, at offset + the steps its sequence ran here; num_logprobs as decode_drawn's), scheduled and processed "
+      "by the scheduler, appending (batch, outputs, logprobs) per step to done; returns the sequences a last "
+      "schedule evicted");
   m.def(
       "greedy_tokens",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int threads) {
@@ -366,6 +390,17 @@ void bind_cpu_kernels(py::module_& m) {
       },
       py::call_guard<py::gil_scoped_release>(),
       "tokens [B] int64 = tilelang_ops.sampling.sample_ref's draw from logits [B,V] fp32 and per-row parameters");
+  m.def(
+      "token_logprobs",
+      [](uintptr_t logits, int64_t B, int64_t V, uintptr_t tokens, int64_t n, uintptr_t token_logprob, uintptr_t rank,
+         uintptr_t top_ids, uintptr_t top_logprobs, int threads) {
+        token_logprobs(reinterpret_cast<const float*>(logits), B, V, reinterpret_cast<const int64_t*>(tokens), n,
+                       reinterpret_cast<float*>(token_logprob), reinterpret_cast<int64_t*>(rank),
+                       reinterpret_cast<int64_t*>(top_ids), reinterpret_cast<float*>(top_logprobs), threads);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "token_logprob [B] fp32, rank [B] int64 and the n most likely (top_ids, top_logprobs [B,n]) of logits [B,V] "
+      "fp32 at tokens [B] int64, as log_softmax gives them; rows with tokens < 0 untouched");
   m.def("gumbel_approx_error", &gumbel_approx_error, py::call_guard<py::gil_scoped_release>(),
         "largest |vector - C library| Gumbel noise over all 2^23 uniforms of the draw (bound: GUMBEL_ERROR)");
   m.attr("GUMBEL_ERROR") = kGumbelError;

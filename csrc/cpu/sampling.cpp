@@ -342,6 +342,71 @@ int64_t sample_row(const float* x, int64_t V, const SampleParams& p, RowScratch&
   return gumbel_argmax(r.z.data(), V, zmax, p.row_hash, r.aux.data());
 }
 
+// The row's maximum (finite values).
+float row_max(const float* row, int64_t V) {
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(row + v));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, best);
+  float top = *std::max_element(lanes, lanes + 8);
+  for (; v < V; ++v) top = std::max(top, row[v]);
+  return top;
+}
+
+// log(sum exp(row - mx)): eight lanes of exp8, summed in a fixed order, then the tail.
+float row_log_sum_exp(const float* row, int64_t V, float mx) {
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + v), m)));
+  float sum = hsum(acc);
+  for (; v < V; ++v) sum += std::exp(row[v] - mx);
+  return std::log(sum);
+}
+
+// How many values have (x - mx) - ls > t: the same arithmetic as the drawn token's logprob, so ties stay ties.
+int64_t count_above(const float* row, int64_t V, float mx, float ls, float t) {
+  const __m256 m = _mm256_set1_ps(mx), l = _mm256_set1_ps(ls), thr = _mm256_set1_ps(t);
+  int64_t count = 0, v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 lp = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(row + v), m), l);
+    count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(lp, thr, _CMP_GT_OQ)));
+  }
+  for (; v < V; ++v) count += (row[v] - mx) - ls > t;
+  return count;
+}
+
+// The n greatest values as (value, id), descending, lower id first among equals. A min-heap of the best so far;
+// eight values at a time are skipped while none beats its least (most of the row, once the heap is full).
+std::vector<std::pair<float, int64_t>> top_values(const float* row, int64_t V, int64_t n) {
+  using Entry = std::pair<float, int64_t>;
+  // "a before b" = a is the better: greater value, or equal value and lower id. The heap keeps the worst in front.
+  const auto better = [](const Entry& a, const Entry& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  std::vector<Entry> heap;
+  heap.reserve(n + 1);
+  const auto offer = [&](int64_t v) {
+    if (static_cast<int64_t>(heap.size()) < n) {
+      heap.emplace_back(row[v], v);
+      std::push_heap(heap.begin(), heap.end(), better);
+    } else if (row[v] > heap.front().first) {  // ids rise along the row: an equal value later is worse
+      std::pop_heap(heap.begin(), heap.end(), better);
+      heap.back() = {row[v], v};
+      std::push_heap(heap.begin(), heap.end(), better);
+    }
+  };
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const float least = static_cast<int64_t>(heap.size()) < n ? -INFINITY : heap.front().first;
+    const int beat = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), _mm256_set1_ps(least), _CMP_GE_OQ));
+    for (int lane = 0; beat && lane < 8; ++lane)
+      if (beat >> lane & 1) offer(v + lane);
+  }
+  for (; v < V; ++v) offer(v);
+  std::sort(heap.begin(), heap.end(), better);
+  return heap;
+}
+
 }  // namespace
 
 void sample_tokens(const float* logits, int64_t B, int64_t V, const float* temperature, const int64_t* top_k,
@@ -392,6 +457,26 @@ void apply_token_mask(float* logits, const int32_t* bitmask, int64_t B, int64_t 
           continue;
         }
         for (int64_t j = 0; j < n; ++j) x[j] = ((bits >> j) & 1u) ? x[j] : -INFINITY;  // a blend, no branch
+      }
+    }
+  });
+}
+
+void token_logprobs(const float* logits, int64_t B, int64_t V, const int64_t* tokens, int64_t n, float* token_logprob,
+                    int64_t* rank, int64_t* top_ids, float* top_logprobs, int num_threads) {
+  parallel_ranges(B, threads_for(B * V * 4, num_threads, 1 << 20), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (tokens[b] < 0) continue;
+      const float* row = logits + b * V;
+      const float mx = row_max(row, V), ls = row_log_sum_exp(row, V, mx);
+      const float t = (row[tokens[b]] - mx) - ls;
+      token_logprob[b] = t;
+      rank[b] = 1 + count_above(row, V, mx, ls, t);
+      if (n <= 0) continue;
+      const auto top = top_values(row, V, n);
+      for (int64_t j = 0; j < n; ++j) {
+        top_ids[b * n + j] = top[j].second;
+        top_logprobs[b * n + j] = (top[j].first - mx) - ls;
       }
     }
   });

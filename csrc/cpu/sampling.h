@@ -21,6 +21,15 @@ void sample_tokens(const float* logits, int64_t B, int64_t V, const float* tempe
                    const float* top_p, const float* min_p, const int64_t* seeds, const int64_t* offsets,
                    int64_t* tokens, int num_threads);
 
+// Logprobs as torch's log_softmax over the raw logits gives them (vLLM's raw logprobs): per row b with tokens[b] >= 0,
+// token_logprob[b] = logp(tokens[b]) with logp(v) = (logits[b, v] - max) - log(sum exp(logits[b] - max)), rank[b] = 1 +
+// the tokens of greater logp, and top_ids / top_logprobs [b, 0..n) the n greatest in descending order, lower id first
+// among equals (n 0: none). Rows with tokens[b] < 0 (non-finite logits) are left as they are. The sum of exps is
+// exp8's (~2 ulp) in a fixed order, so a logprob can differ from torch's by a few ulp of the log-sum. logits [B, V]
+// finite where tokens >= 0; n <= V.
+void token_logprobs(const float* logits, int64_t B, int64_t V, const int64_t* tokens, int64_t n, float* token_logprob,
+                    int64_t* rank, int64_t* top_ids, float* top_logprobs, int num_threads);
+
 // The draw scores every token with vector logs first and only the best few with the C library's
 // (sampling.cpp, gumbel_argmax); it is exact while the vector Gumbel noise stays within kGumbelError of the
 // library's. The largest difference over all 2^23 uniforms, for the tests to hold against that bound.

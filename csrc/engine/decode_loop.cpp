@@ -26,10 +26,35 @@ Draws step_draws(const Draws& all, const std::unordered_map<int64_t, size_t>& ro
   return d;
 }
 
+// tokens [T]: sample_tokens' draw from logits [T, V] with draws; a row whose greedy token is -1 (NaN or inf
+// logits) stays -1.
+void draw_tokens(const float* logits, int64_t T, int64_t V, const Draws& draws, int num_threads, int64_t* tokens) {
+  std::vector<float> temperature = draws.temperature;
+  for (int64_t b = 0; b < T; ++b)
+    if (tokens[b] < 0) temperature[b] = 0.0f;  // its argmax: no filter reads the non-finite values
+  std::vector<int64_t> drawn(T);
+  sample_tokens(logits, T, V, temperature.data(), draws.top_k.data(), draws.top_p.data(), draws.min_p.data(),
+                draws.seeds.data(), draws.offsets.data(), drawn.data(), num_threads);
+  for (int64_t b = 0; b < T; ++b)
+    if (tokens[b] >= 0) tokens[b] = drawn[b];
+}
+
+// logprobs' arrays for T rows, filled from logits [T, V] at the drawn tokens.
+void fill_logprobs(const float* logits, int64_t T, int64_t V, const int64_t* tokens, int num_threads,
+                   StepLogprobs& lp) {
+  const int64_t n = lp.n;
+  lp.token_logprob.assign(T, 0.0f);
+  lp.rank.assign(T, 0);
+  lp.top_ids.assign(T * n, -1);
+  lp.top_logprobs.assign(T * n, 0.0f);
+  token_logprobs(logits, T, V, tokens, n, lp.token_logprob.data(), lp.rank.data(), lp.top_ids.data(),
+                 lp.top_logprobs.data(), num_threads);
+}
+
 }  // namespace
 
 DecodeStatus decode_drawn(const DecoderStack& stack, const ScheduledBatch& batch, const Draws& draws,
-                          int64_t* counts, bool bf16, int num_threads, int64_t* tokens) {
+                          int64_t* counts, bool bf16, int num_threads, int64_t* tokens, StepLogprobs* logprobs) {
   const auto T = static_cast<int64_t>(batch.seq_ids.size());
   DI_CHECK(batch.type == StepType::DECODE && static_cast<int64_t>(batch.input_ids.size()) == T && stack.head,
            "decode_drawn takes a decode batch of one token per sequence and a stack with a head");
@@ -46,20 +71,15 @@ DecodeStatus decode_drawn(const DecoderStack& stack, const ScheduledBatch& batch
   Scratch<float> logits(ScratchUse::DECODE_LOGITS, T * V);
   const DecodeStatus status = decode_step(stack, batch.input_ids.data(), counts, inputs, bf16, num_threads,
                                           out.data(), logits.data(), tokens);
-  if (!status.ok() || draws.empty()) return status;
-  std::vector<float> temperature = draws.temperature;
-  for (int64_t b = 0; b < T; ++b)
-    if (tokens[b] < 0) temperature[b] = 0.0f;  // its argmax: no filter reads the non-finite values
-  std::vector<int64_t> drawn(T);
-  sample_tokens(logits.data(), T, V, temperature.data(), draws.top_k.data(), draws.top_p.data(), draws.min_p.data(),
-                draws.seeds.data(), draws.offsets.data(), drawn.data(), num_threads);
-  for (int64_t b = 0; b < T; ++b)
-    if (tokens[b] >= 0) tokens[b] = drawn[b];
+  if (!status.ok()) return status;
+  if (!draws.empty()) draw_tokens(logits.data(), T, V, draws, num_threads, tokens);
+  if (logprobs && logprobs->n >= 0) fill_logprobs(logits.data(), T, V, tokens, num_threads, *logprobs);
   return status;
 }
 
 LoopSteps run_decode_steps(Scheduler& scheduler, const DecoderStack& stack, ScheduledBatch first, int max_steps,
-                           const Draws& draws, int64_t* counts, int64_t counts_per_step, bool bf16, int num_threads) {
+                           const Draws& draws, int64_t num_logprobs, int64_t* counts, int64_t counts_per_step,
+                           bool bf16, int num_threads) {
   DI_CHECK(draws.empty() || draws.temperature.size() == first.seq_ids.size(),
            "a loop's draws have one row per sequence of its first batch");
   std::unordered_map<int64_t, size_t> row_of;
@@ -79,8 +99,9 @@ LoopSteps run_decode_steps(Scheduler& scheduler, const DecoderStack& stack, Sche
     }
     std::vector<int64_t> tokens(batch.seq_ids.size());
     const Draws step = draws.empty() ? Draws{} : step_draws(draws, row_of, generated, batch);
+    StepLogprobs logprobs{num_logprobs};
     r.status = decode_drawn(stack, batch, step, counts ? counts + k * counts_per_step : nullptr, bf16, num_threads,
-                            tokens.data());
+                            tokens.data(), &logprobs);
     if (!r.status.ok()) {
       r.failed = std::move(batch);
       break;
@@ -88,7 +109,7 @@ LoopSteps run_decode_steps(Scheduler& scheduler, const DecoderStack& stack, Sche
     if (!draws.empty())
       for (const int64_t seq : batch.seq_ids) ++generated[row_of.at(seq)];
     std::vector<StepOutput> outputs = scheduler.process(batch, std::vector<int32_t>(tokens.begin(), tokens.end()));
-    r.done.push_back({std::move(batch), std::move(outputs)});
+    r.done.push_back({std::move(batch), std::move(outputs), std::move(logprobs)});
   }
   return r;
 }

@@ -20,16 +20,26 @@ struct Draws {
   bool empty() const { return temperature.empty(); }
 };
 
+// The logprobs of a step's drawn tokens (cpu/sampling.h token_logprobs) with the n most likely tokens per row;
+// n < 0: none wanted, and the vectors stay empty. token_logprob, rank [T]; top_ids, top_logprobs [T, n].
+struct StepLogprobs {
+  int64_t n = -1;
+  std::vector<float> token_logprob, top_logprobs;
+  std::vector<int64_t> rank, top_ids;
+};
+
 // tokens [T] drawn over a decode batch of one token per sequence (T = its sequences), read from the batch's own
 // arrays, with the stack's head (required): decode_step's greedy tokens, or with draws (one per row)
 // sample_tokens' draw from each row's logits; a row with NaN or inf logits gets -1 either way. counts as
-// decode_step's.
+// decode_step's. logprobs (or null): filled for its n from the raw logits, as vLLM reports them.
 DecodeStatus decode_drawn(const DecoderStack& stack, const ScheduledBatch& batch, const Draws& draws,
-                          int64_t* counts, bool bf16, int num_threads, int64_t* tokens);
+                          int64_t* counts, bool bf16, int num_threads, int64_t* tokens,
+                          StepLogprobs* logprobs = nullptr);
 
 struct LoopStep {
   ScheduledBatch batch;
   std::vector<StepOutput> outputs;  // scheduler.process of its tokens
+  StepLogprobs logprobs;
 };
 
 // The steps a loop ran in order, and where it stopped: status is the failure of the step after them (`failed`,
@@ -44,11 +54,12 @@ struct LoopSteps {
 // Runs `first` (a decode batch the caller scheduled) and up to max_steps - 1 more decode steps, each scheduled
 // (forced DECODE) and processed here, while no sequence waits or is mid-prefill (the next step could be a
 // prefill) and a step was scheduled. Each step is drawn by decode_drawn, with `draws` (per row of `first`, or
-// empty) at each sequence's offset plus the steps it ran in this loop. The caller guarantees no sequence needs
-// anything per step outside the scheduler (stop strings, logprobs, logits processors, grammars). counts:
-// max_steps rows of counts_per_step counters, row k decode_step's counts of step k (or null).
+// empty) at each sequence's offset plus the steps it ran in this loop, with num_logprobs' logprobs (< 0: none).
+// The caller guarantees no sequence needs anything per step outside the scheduler (stop strings, logits
+// processors, grammars). counts: max_steps rows of counts_per_step counters, row k decode_step's counts of step k
+// (or null).
 LoopSteps run_decode_steps(Scheduler& scheduler, const DecoderStack& stack, ScheduledBatch first, int max_steps,
-                           const Draws& draws, int64_t* counts, int64_t counts_per_step, bool bf16,
-                           int num_threads);
+                           const Draws& draws, int64_t num_logprobs, int64_t* counts, int64_t counts_per_step,
+                           bool bf16, int num_threads);
 
 }  // namespace deepinfer

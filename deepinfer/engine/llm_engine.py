@@ -58,9 +58,9 @@ class SeqState:
 
     @property
     def plain_draw(self) -> bool:
-        """Whether its tokens are the sample op's draw from the raw logits, with nothing else wanted: no logprobs,
+        """Whether its tokens are the sample op's draw from the raw logits, with at most their logprobs wanted: no
         logits processors or grammar."""
-        return self.params.logprobs is None and self.logits_ctx is None and self.grammar is None
+        return self.logits_ctx is None and self.grammar is None
 
 
 @dataclass
@@ -183,6 +183,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"request {index}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"request {index}: SamplingParams.logprobs={params.logprobs} is more than the vocabulary "
+                             f"({self.vocab_size} tokens)")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {index}: stop strings need a tokenizer and the model ships none")
         self._validate_processors(index, params)
@@ -363,23 +366,25 @@ class LLMEngine:
         done = []
         try:
             evicted = self.runner.decode_steps(self.scheduler, batch, max_steps, self._plain_sampling(states), counts,
-                                               done)
+                                               done, _num_logprobs(states))
         finally:
-            outputs = [out for k, (step, results) in enumerate(done)
-                       for out in self._loop_step_done(k, step, results, counts)]
+            outputs = [out for k, (step, results, drawn) in enumerate(done)
+                       for out in self._loop_step_done(k, step, results, drawn, counts)]
         if evicted is None:
             return None
         self._count_preemptions(evicted)
-        return outputs, sum(step.num_tokens for step, _ in done)
+        return outputs, sum(step.num_tokens for step, _, _ in done)
 
     def _plain_sampling(self, states: list[SeqState]) -> tuple | None:
         """The one-call steps' sampling for plain-draw rows `states`: None when all are greedy, else their
         _draw_params."""
         return None if all(s.params.temperature == 0 for s in states) else self._draw_params(states)
 
-    def _loop_step_done(self, k: int, batch, results, counts: torch.Tensor | None) -> list[RequestOutput]:
+    def _loop_step_done(self, k: int, batch, results, drawn: SamplerOutput,
+                        counts: torch.Tensor | None) -> list[RequestOutput]:
         """Step k of a run of decode steps (its tokens already processed by the scheduler): what _run_step does
-        after the scheduler's process(); counts: the run's expert counts, row k this step's."""
+        after the scheduler's process(); drawn: its rows' logprobs; counts: the run's expert counts, row k this
+        step's."""
         if k:
             self._count_step(batch)
         if self.eplb is not None:
@@ -387,7 +392,7 @@ class LLMEngine:
                 self.eplb.recorder.step_flat().add_(counts[k])
             self.eplb.end_step()
         states = [self._take_tokens(res) for res in results]
-        return self._outputs(range(len(results)), results, states, SamplerOutput(None, None, None, None, None))
+        return self._outputs(range(len(results)), results, states, drawn)
 
     # ---- async scheduling: decode step N+1 is scheduled while step N's forward runs on the worker thread, and
     # launched as soon as N's tokens are appended; N's outputs are processed while N+1 runs. ---------------------
@@ -435,7 +440,7 @@ class LLMEngine:
         step's Python greedy, ~1 ms sampled, on caches the weight stream has just emptied); a prefill's torch ops
         run on all threads (platform.set_threads)."""
         if batch.type == _C.StepType.DECODE and all(s.plain_draw for s in states):
-            out = self.runner.draw(batch, self._plain_sampling(states))
+            out = self.runner.draw(batch, self._plain_sampling(states), _num_logprobs(states))
             if out is not None:
                 return out
         sampling = self._sampling_batch(states)
@@ -460,7 +465,6 @@ class LLMEngine:
 
     def _sampling_batch(self, states: list[SeqState]) -> SamplingBatch:
         temperature, top_k, top_p, min_p, seeds, offsets = self._draw_params(states)
-        logprobs = [s.params.logprobs for s in states if s.params.logprobs is not None]
         return SamplingBatch(
             temperature=torch.tensor(temperature, dtype=torch.float32),
             top_k=torch.tensor(top_k, dtype=torch.int64),
@@ -468,7 +472,7 @@ class LLMEngine:
             min_p=torch.tensor(min_p, dtype=torch.float32),
             seeds=seeds,
             offsets=torch.tensor(offsets, dtype=torch.int64),
-            num_logprobs=max(logprobs) if logprobs else -1,
+            num_logprobs=_num_logprobs(states),
             logits_rows=self._logits_rows(states),
             grammars=None if all(s.grammar is None for s in states) else [s.grammar for s in states],
         )
@@ -656,3 +660,8 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(h.prompt_token_ids))
         self.requests[h.request_id] = Request(h.request_id, None, h.prompt_token_ids, [seq_id], metrics)
         return True
+
+
+def _num_logprobs(states: list[SeqState]) -> int:
+    """The most top logprobs any of these sequences wants per token; -1 where none wants logprobs."""
+    return max((s.params.logprobs for s in states if s.params.logprobs is not None), default=-1)

@@ -63,21 +63,34 @@ class ModelRunner:
         input_ids, meta = self.prepare(batch)
         return self.sampler(self._logits(batch, input_ids, meta, _decodes_all(batch, meta)), sampling)
 
-    def draw(self, batch, sampling: tuple | None) -> SamplerOutput | None:
-        """A decode step whose rows are all plain draws (greedy or sampled, nothing else wanted), drawn in the
+    def draw(self, batch, sampling: tuple | None, num_logprobs: int = -1) -> SamplerOutput | None:
+        """A decode step whose rows are all plain draws (greedy or sampled, with or without logprobs), drawn in the
         model's own call from the batch's arrays (decode_drawn; sampling: None for all greedy, else the rows' sampler
-        arguments): no tensors built, no logits through Python. None where the model has no such call or cannot run
-        this step in one (nothing ran)."""
-        tokens = None if self._drawn is None else self._drawn(batch, sampling)
-        return None if tokens is None else SamplerOutput(tokens, None, None, None, None)
+        arguments; num_logprobs: top logprobs per row, -1 none): no tensors built, no logits through Python. None where
+        the model has no such call or cannot run this step in one (nothing ran)."""
+        drawn = None if self._drawn is None else self._drawn(batch, sampling, num_logprobs)
+        return None if drawn is None else drawn_output(*drawn)
 
     def decode_steps(self, scheduler, batch, max_steps: int, sampling: tuple | None, counts: torch.Tensor | None,
-                     done: list) -> list | None:
+                     done: list, num_logprobs: int = -1) -> list | None:
         """`batch` and up to max_steps - 1 more decode steps, each drawn (greedy, or as the sampler draws with
         `sampling`: cpu_ops.decode_steps), scheduled and processed by the scheduler in the model's same call: done
-        gets (batch, outputs) per step; counts [max_steps, ...] their expert counts (or None). Returns the sequences
-        a last decode schedule evicted, or None where the model cannot (nothing ran)."""
-        return None if self._steps is None else self._steps(scheduler, batch, max_steps, sampling, counts, done)
+        gets (batch, outputs, SamplerOutput of its logprobs, tokens left None) per step; counts [max_steps, ...]
+        their expert counts (or None). Returns the sequences a last decode schedule evicted, or None where the model
+        cannot (nothing ran)."""
+        if self._steps is None:
+            return None
+        ran = []
+        try:
+            return self._steps(scheduler, batch, max_steps, sampling, counts, ran, num_logprobs)
+        finally:
+            done.extend((step, outputs, drawn_output(None, cpu_ops.step_logprobs(logprobs)))
+                        for step, outputs, logprobs in ran)
+
+
+def drawn_output(tokens: torch.Tensor | None, logprobs: tuple | None) -> SamplerOutput:
+    """A drawn step's tokens and logprobs (cpu_ops.decode_drawn's pair) as the sampler's output."""
+    return SamplerOutput(tokens, *(logprobs or (None,) * 4))
 
 
 def _decodes_all(batch, meta: AttentionMetadata) -> bool:

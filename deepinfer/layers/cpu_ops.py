@@ -355,25 +355,35 @@ def decode_step(stack: tuple, input_ids: torch.Tensor, positions: torch.Tensor, 
     return out if logits is None else logits
 
 
-def decode_drawn(stack: tuple, batch, sampling: tuple | None = None,
-                 counts: torch.Tensor | None = None) -> torch.Tensor:
+def decode_drawn(stack: tuple, batch, sampling: tuple | None = None, counts: torch.Tensor | None = None,
+                 num_logprobs: int = -1) -> tuple[torch.Tensor, tuple | None]:
     """decode_step over a scheduled decode batch (a C++ ScheduledBatch of one token per sequence) read from its own
     arrays, with the stack's head, and each row's token [T] int64 drawn from its logits: the first argmax, or with
     sampling (per row, lists: temperature, top_k, top_p, min_p, seeds, offsets) sample()'s draw; -1 for a row with
     NaN or inf. Building decode_step's tensors from the batch costs ~0.3 ms of a batch-1 step's Python (on caches
     the weight stream has just emptied), the Python sampler's ~0.7 ms more; this builds none. counts as
-    decode_step's."""
+    decode_step's. -> (tokens, None), or with num_logprobs >= 0 (tokens, token_logprobs' four tensors) of the raw
+    logits at the drawn tokens, num_logprobs top ones per row."""
     dtype, _, vocab, num_counts, weights = stack
     _check_vector(counts, "counts", torch.int64, num_counts)
-    return torch.from_numpy(_C.decode_drawn(weights, batch, sampling, _ptr(counts), dtype == torch.bfloat16,
-                                            platform.kernel_threads()))
+    tokens, logprobs = _C.decode_drawn(weights, batch, sampling, _ptr(counts), dtype == torch.bfloat16,
+                                       platform.kernel_threads(), num_logprobs)
+    return torch.from_numpy(tokens), step_logprobs(logprobs)
+
+
+def step_logprobs(arrays: tuple | None) -> tuple | None:
+    """A drawn step's logprobs from C++ (numpy arrays, or None) as tensors: (token_logprob [T], rank [T], top_ids
+    [T, n], top_logprobs [T, n])."""
+    return None if arrays is None else tuple(torch.from_numpy(a) for a in arrays)
 
 
 def decode_steps(stack: tuple, scheduler, batch, max_steps: int, sampling: tuple | None, counts: torch.Tensor | None,
-                 done: list) -> list:
+                 done: list, num_logprobs: int = -1) -> list:
     """decode_drawn over `batch` (a decode ScheduledBatch of `scheduler`) and up to max_steps - 1 more decode
     steps, each scheduled and processed by the scheduler in C++ while no sequence waits or is mid-prefill; appends
-    (batch, scheduler.process outputs) per step to done, also when a later step raises. sampling: decode_drawn's,
+    (batch, scheduler.process outputs, logprobs: None or numpy arrays, step_logprobs' input) per step to done, also
+    when a later step raises.
+    sampling and num_logprobs: decode_drawn's,
     per sequence of `batch` in its row order; each row drawn at its offset + the steps it ran in this call.
     counts [max_steps, sum of the layers' E_logical] int64: row k added to by step k (or None). Returns the
     sequences a last decode schedule evicted without running (see csrc/engine/decode_loop.h)."""
@@ -382,8 +392,25 @@ def decode_steps(stack: tuple, scheduler, batch, max_steps: int, sampling: tuple
         _check(counts, "counts", torch.int64, 2)
         if counts.shape != (max_steps, num_counts):
             raise ValueError(f"counts: expected [{max_steps}, {num_counts}], got {tuple(counts.shape)}")
-    return _C.decode_steps(weights, scheduler, batch, max_steps, sampling, _ptr(counts), num_counts,
+    return _C.decode_steps(weights, scheduler, batch, max_steps, sampling, num_logprobs, _ptr(counts), num_counts,
                            dtype == torch.bfloat16, platform.kernel_threads(), done)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """logits [B, V] fp32, tokens [B] int64 (>= 0; a row with -1 gets logprob 0 and rank 0), n top logprobs (0..V)
+    -> (token_logprob [B] fp32, rank [B] int64, top_ids [B, n] int64, top_logprobs [B, n] fp32): log_softmax's values
+    at the tokens, 1 + how many tokens are more likely, and the n most likely, descending (lower id first among
+    equals)."""
+    _check(logits, "logits", torch.float32, 2)
+    b, v = logits.shape
+    _check_vector(tokens, "tokens", torch.int64, b)
+    if not 0 <= n <= v:
+        raise ValueError(f"n: top logprobs must be 0..{v} (the vocabulary), got {n}")
+    out = (torch.zeros(b), torch.zeros(b, dtype=torch.int64), torch.full((b, n), -1, dtype=torch.int64),
+           torch.zeros(b, n))
+    _C.token_logprobs(logits.data_ptr(), b, v, tokens.data_ptr(), n, *(t.data_ptr() for t in out),
+                      platform.kernel_threads())
+    return out
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

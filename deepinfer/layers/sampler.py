@@ -105,16 +105,13 @@ class Sampler:
     @staticmethod
     def logprobs(logits, tokens, n, rows=None) -> SamplerOutput:
         """logits [R, V] fp32 (raw, as vLLM reports them), tokens [B] scored by logits rows [B] (default: all
-        rows, R = B); n top logprobs (-1: none, and logits are not touched)."""
+        rows, R = B); n top logprobs (-1: none, and logits are not touched). The kernel the one-call decode steps
+        use too (cpu_ops.token_logprobs); a row whose token is -1 (failed) gets logprob 0 and rank 0."""
         if n < 0:
             return SamplerOutput(tokens, None, None, None, None)
         if rows is not None:
             logits = logits[rows]
-        logp = logits.log_softmax(-1)
-        token_logprob = logp.gather(1, tokens.clamp(min=0)[:, None])
-        rank = 1 + (logp > token_logprob).sum(-1)
-        top = logp.topk(n, dim=-1) if n > 0 else None
-        return SamplerOutput(tokens, token_logprob[:, 0], rank, top and top.indices, top and top.values)
+        return SamplerOutput(tokens, *cpu_ops.token_logprobs(logits.float().contiguous(), tokens.contiguous(), n))
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:

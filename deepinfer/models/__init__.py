@@ -8,8 +8,10 @@
     forward(input_ids [T], meta: AttentionMetadata) -> hidden [T, H]
     compute_logits(hidden [N, H]) -> logits [N, V] (fp32)
     forward_logits(input_ids [T], meta) -> logits [T, V] (fp32): compute_logits(forward(...)), fused where it can
-    decode_drawn(batch: ScheduledBatch, sampling) -> tokens [T] or None  # optional: a decode step drawn in one call
-    decode_steps(scheduler, batch, max_steps, sampling, counts, done) -> evicted or None  # optional: such steps
+    decode_drawn(batch: ScheduledBatch, sampling, num_logprobs) -> (tokens [T], logprobs) or None  # optional: a
+        # decode step drawn in one call
+    decode_steps(scheduler, batch, max_steps, sampling, counts, done, num_logprobs) -> evicted or None  # optional:
+        # such steps back to back
                                               # back to back, greedy or sampled, with the scheduler in the call
     load_weights(weights: Iterable[(hf_name, Tensor)]) -> None   # raises on missing/extra/misshapen
     weights_changed() -> None                 # optional: weights were moved or sharded after loading

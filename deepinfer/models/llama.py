@@ -225,22 +225,24 @@ class LlamaForCausalLM(nn.Module):
         out = self._decode(input_ids, meta, head=True)
         return self.compute_logits(self(input_ids, meta)) if out is None else out
 
-    def decode_drawn(self, batch, sampling: tuple | None) -> torch.Tensor | None:
+    def decode_drawn(self, batch, sampling: tuple | None, num_logprobs: int = -1) -> tuple | None:
         """A scheduled decode batch's (C++ ScheduledBatch, one token per sequence) tokens [T] int64 drawn from
         forward_logits in one C++ call from the batch's own arrays: each row's first argmax, or as the sampler draws
-        with `sampling` (cpu_ops.decode_drawn); -1 for a row with NaN or inf. None where the step cannot run in one
-        call with the head (nothing ran)."""
+        with `sampling`; -1 for a row with NaN or inf; with their logprobs (cpu_ops.decode_drawn's pair). None where
+        the step cannot run in one call with the head (nothing ran)."""
         stack = self._decode_stack(batch.num_seqs, head=True)
-        return None if stack is None else cpu_ops.decode_drawn(stack, batch, sampling, self._step_counts())
+        return None if stack is None else cpu_ops.decode_drawn(stack, batch, sampling, self._step_counts(),
+                                                               num_logprobs)
 
     def decode_steps(self, scheduler, batch, max_steps: int, sampling: tuple | None, counts: torch.Tensor | None,
-                     done: list) -> list | None:
+                     done: list, num_logprobs: int = -1) -> list | None:
         """`batch` and up to max_steps - 1 more decode steps drawn (greedy, or by `sampling`), scheduled and processed
-        in the same C++ call (cpu_ops.decode_steps: done gets (batch, outputs) per step; counts [max_steps, L * E]
-        the steps' expert counts, or None); None where the steps cannot run in one call (nothing ran)."""
+        in the same C++ call (cpu_ops.decode_steps: done gets (batch, outputs, logprobs) per step; counts
+        [max_steps, L * E] the steps' expert counts, or None); None where the steps cannot run in one call (nothing
+        ran)."""
         stack = self._decode_stack(batch.num_seqs, head=True)
         return None if stack is None else cpu_ops.decode_steps(stack, scheduler, batch, max_steps, sampling, counts,
-                                                               done)
+                                                               done, num_logprobs)
 
     def _decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, head: bool) -> torch.Tensor | None:
         """cpu_ops.decode_step's output for this step, or None where it cannot run in one call."""
