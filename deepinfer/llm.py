@@ -48,8 +48,8 @@ class LLM:
     outputs are processed while step N+1's runs (same tokens as without; not with speculative=...). Off by
     default: on CPUs the forward and Python's output processing share cores and the GIL (docs/benchmarks.md).
     num_scheduler_steps: k > 1 runs up to k decode steps back to back in one C++ call (schedule, forward, draw,
-    stop checks) while every running request draws greedily or samples (temperature, top-k, top-p, min-p) with
-    nothing wanted per step in Python (no stop strings, logprobs, logits processors or structured outputs; others
+    stop checks, logprobs) while every running request draws greedily or samples (temperature, top-k, top-p, min-p)
+    with nothing wanted per step in Python (no stop strings, logits processors or structured outputs; others
     run one step per call), so a batch-1 step pays Python's share once per k steps; engine.step() then returns
     the outputs of up to k steps. Same tokens as k = 1; not with speculative=... or async_scheduling=True."""
 
