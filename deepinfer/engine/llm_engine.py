@@ -99,11 +99,11 @@ class LLMEngine:
         logger.info("weights on huge pages: %.0f MiB", memory.to_huge_pages(self.model) / 2**20)
         gemm_plan.PLAN.invariant = config.batch_invariant
         decode_rows = config.max_num_seqs * (1 + (spec_cfg.num_draft_tokens if spec_cfg else 0))
+        max_rows = max(config.max_num_batched_tokens, decode_rows)
         # AVX512-BF16's packed kernel rounds activations to bf16; batch_invariant keeps the exact fp32-input kernel.
         if cpu_ops.PACKED_ISA and config.dtype == torch.bfloat16 and not config.batch_invariant:
-            self._pack_weights(decode_rows, agree)
-        gemm_plan.PLAN.prepare(self.model, config.dtype, max(config.max_num_batched_tokens, config.max_num_seqs),
-                               decode_rows)
+            self._pack_weights(max_rows, agree)
+        gemm_plan.PLAN.prepare(self.model, config.dtype, max_rows, decode_rows)
         spec = self.model.cache_spec(config.block_size, config.kv_cache_dtype)
         self.cache = CacheEngine(spec, config.kv_cache_memory, config.max_num_seqs, config.block_size)
         self.model.bind_cache(self.cache.paged, self.cache.state)
@@ -139,10 +139,11 @@ class LLMEngine:
         return EplbState(blocks, EplbConfig.from_dict(self.config.eplb_config), self.config.enable_eplb,
                          self.config.eplb_plan)
 
-    def _pack_weights(self, decode_rows: int, agree) -> None:
-        """Packs in bf16 pairs each expert group and Linear whose shape's plan runs 1..decode_rows rows faster packed
-        (gemm_plan packs_experts / packs_linear), as agree settles it."""
-        rows, dtype = gemm_plan.buckets_up_to(decode_rows), self.config.dtype
+    def _pack_weights(self, max_rows: int, agree) -> None:
+        """Packs in bf16 pairs each expert group and Linear whose shape's plan runs the row buckets up to max_rows
+        faster packed (gemm_plan packs_experts / packs_linear), as agree settles it. The buckets of prefill steps
+        count too: where AMX tiles read row-major weights, packing could win a few decode rows and lose prefills."""
+        rows, dtype = gemm_plan.buckets_up_to(max_rows), self.config.dtype
         experts, linears = packable_experts(self.model), packable_linears(self.model)
         faster = [gemm_plan.PLAN.packs_experts(m.gate_up_proj.data, m.down_proj.data, rows) for m in experts]
         faster += [gemm_plan.PLAN.packs_linear(dtype, m.weight.data, rows) for m in linears]
