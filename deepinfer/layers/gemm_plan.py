@@ -16,7 +16,7 @@ bf16), "torch-fp32" (F.linear on widened weights: MKL's sgemm, which wins at pre
 and torch-bf16, by the expert's row count. Weights packed in bf16 pairs (Linear / FusedMoE.pack_weights) have plans
 of their own ("linear-packed", "experts-packed"): our packed kernel, or torch on the weight unpacked for the call.
 Whether a shape's weights are packed at all is measured too ("linear-layout", "experts-layout"; packs_linear,
-packs_experts): the engine packs them where their plan runs the decode row counts faster packed.
+packs_experts): the engine packs them where their plan runs its steps' row counts faster packed.
 """
 import itertools
 import json
