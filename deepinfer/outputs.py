@@ -47,9 +47,13 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token, None for the first (nothing
+    scores it), then {token id: Logprob} holding the prompt token's and the top ones, as vLLM gives them."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default=None)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

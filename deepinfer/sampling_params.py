@@ -47,7 +47,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """n: completions per prompt. temperature: 0 means greedy. top_k: 0 or -1 disables.
     max_tokens: None means up to max_model_len. logprobs: number of top logprobs per token
-    (the sampled token's is always included). stop: strings that end the text (excluded from
+    (the sampled token's is always included). prompt_logprobs: the same for each prompt token from the second on,
+    scored by the model's logits at the token before it (RequestOutput.prompt_logprobs). stop: strings that end the text (excluded from
     it unless include_stop_str_in_output). stop_token_ids: tokens that end generation (kept in
     token_ids). presence_penalty / frequency_penalty in [-2, 2] and repetition_penalty > 0 as in vLLM
     (repetition reaches prompt and output tokens, the other two output tokens only). logit_bias: {token id:
@@ -72,6 +73,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -110,8 +112,10 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad("logprobs", "must be None or an integer >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                bad(name, "must be None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be None or an integer")
         if any(not isinstance(s, str) or not s for s in self._stop_list):

@@ -200,6 +200,9 @@ def test_disaggregated_qwen_matches_normal_greedy_seeded_and_n(tiny_qwen3_moe, r
     normal = LLM(tiny_qwen3_moe, **QWEN).generate(prompts, params, use_tqdm=False)
     llm = disagg(tiny_qwen3_moe, **QWEN)
     try:
+        with pytest.raises(ValueError, match="request 1: SamplingParams.prompt_logprobs is not supported with "
+                                             "disaggregation"):
+            llm.generate(prompts[:2], [greedy(), greedy(prompt_logprobs=1)], use_tqdm=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert tokens(outs) == tokens(normal)
         lp, ref = outs[4].outputs[0].logprobs, normal[4].outputs[0].logprobs

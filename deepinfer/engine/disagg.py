@@ -313,7 +313,12 @@ class DisaggEngine:
         return args
 
     # LLMEngine's checks need only config, vocab_size and tokenizer, which the front has.
-    validate_request = LLMEngine.validate_request
+    def validate_request(self, index: int | str, prompt_token_ids: list[int], params) -> None:
+        LLMEngine.validate_request(self, index, prompt_token_ids, params)
+        if params.prompt_logprobs is not None:
+            raise ValueError(f"request {index}: SamplingParams.prompt_logprobs is not supported with disaggregation "
+                             "yet (the prefill engine would score the prompt, and handoffs carry no logprobs)")
+
     _validate_processors = LLMEngine._validate_processors
     grammar_compiler = LLMEngine.grammar_compiler
     eos_token_ids = LLMEngine.eos_token_ids

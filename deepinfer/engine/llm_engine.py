@@ -70,6 +70,9 @@ class Request:
     prompt_token_ids: list[int]
     seq_ids: list[int]
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: entry p scores prompt token p (None for p = 0), appended as the first child's
+    # prefill chunks reach them; None when not wanted
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -184,9 +187,10 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"request {index}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"request {index}: SamplingParams.logprobs={params.logprobs} is more than the vocabulary "
-                             f"({self.vocab_size} tokens)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"request {index}: SamplingParams.{name}={getattr(params, name)} is more than the "
+                                 f"vocabulary ({self.vocab_size} tokens)")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {index}: stop strings need a tokenizer and the model ships none")
         self._validate_processors(index, params)
@@ -230,7 +234,10 @@ class LLMEngine:
         limits = self._limits(params)
         logits_ctx = self._logits_context(params, prompt_token_ids)
         children = [child] if child else [(i, self.sequence_seed(request_id, params, i)) for i in range(params.n)]
-        blocks, last_hash = self.prefix_cache.lookup(prompt_token_ids) if self.prefix_cache else ([], None)
+        # a prompt to score is prefilled whole: cached blocks would skip the logits that score their tokens
+        scored = params.prompt_logprobs is not None
+        blocks, last_hash = self.prefix_cache.lookup(prompt_token_ids) if self.prefix_cache and not scored \
+            else ([], None)
         seq_ids = []
         for index, seed in children:
             seq_id = next(self._seq_counter)
@@ -242,7 +249,8 @@ class LLMEngine:
             self.seqs[seq_id] = state
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
-        self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seq_ids, metrics)
+        self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seq_ids, metrics,
+                                            [None] if scored else None)
 
     def sequence_seed(self, request_id: str, params: SamplingParams, index: int) -> int:
         """The sampling seed of child `index` of a request, as an int64: the request's seed plus the index,
@@ -324,7 +332,10 @@ class LLMEngine:
             out, firsts = self.spec.token_logprobs(batch, logits, tokens, sampling.num_logprobs)
             results = self.scheduler.process_multi(batch, tokens)
         else:
-            out = self._execute(batch, states)
+            scored = self._prompt_rows(batch) if batch.type == _C.StepType.PREFILL else None
+            out = self._execute(batch, states, scored and scored[0])
+            if scored:
+                self._record_prompt_logprobs(*scored, out.prompt)
             if batch.type == _C.StepType.PREFILL and self.prefix_cache is not None:
                 self.prefix_cache.save_prompts(self, batch)
             results = self.scheduler.process(batch, out.tokens.tolist())
@@ -435,11 +446,12 @@ class LLMEngine:
                     if state is not None and self._apply(first, res, out, state)}
         return [self._finish_request(r) for r in finished if self._request_done(r)]
 
-    def _execute(self, batch, states: list[SeqState]) -> SamplerOutput:
+    def _execute(self, batch, states: list[SeqState], prompt: tuple | None = None) -> SamplerOutput:
         """The forward and the draw of the sampled rows' states. A decode step whose rows are all plain draws tries
         the runner's one-call step first, which builds no tensors and runs no Python sampler (~0.3 ms of a batch-1
         step's Python greedy, ~1 ms sampled, on caches the weight stream has just emptied); a prefill's torch ops
-        run on all threads (platform.set_threads)."""
+        run on all threads (platform.set_threads). prompt: a prefill's rows that score prompt tokens
+        (ModelRunner.execute)."""
         if batch.type == _C.StepType.DECODE and all(s.plain_draw for s in states):
             out = self.runner.draw(batch, self._plain_sampling(states), _num_logprobs(states))
             if out is not None:
@@ -448,7 +460,42 @@ class LLMEngine:
         if batch.type != _C.StepType.PREFILL:
             return self.runner.execute(batch, sampling)
         with platform.torch_parallel():
-            return self.runner.execute(batch, sampling)
+            return self.runner.execute(batch, sampling, prompt)
+
+    # ---- prompt logprobs ----------------------------------------------------------------------------------------
+
+    def _prompt_rows(self, batch) -> tuple | None:
+        """The rows of a prefill whose logits score a prompt token still unscored for its request ->
+        ((rows [P], targets [P] int64, top n), [(request, its top n) per row]), or None where no row does. Only a
+        request's first child scores; a recomputed prefix (after preemption) is not scored again."""
+        qsl, positions = batch.query_start_loc, batch.positions
+        rows, targets, owners = [], [], []
+        for i, seq_id in enumerate(batch.seq_ids):
+            state = self.seqs[seq_id]
+            req = self.requests[state.request_id]
+            if req.prompt_logprobs is None or req.seq_ids[0] != seq_id:
+                continue
+            done, prompt = len(req.prompt_logprobs), req.prompt_token_ids
+            for row in range(int(qsl[i]), int(qsl[i + 1])):
+                if done <= int(positions[row]) + 1 < len(prompt):
+                    rows.append(row)
+                    targets.append(prompt[int(positions[row]) + 1])
+                    owners.append((req, state.params.prompt_logprobs))
+        if not rows:
+            return None
+        n = max(n for _, n in owners)
+        return (torch.tensor(rows), torch.tensor(targets, dtype=torch.int64), n), owners
+
+    @staticmethod
+    def _record_prompt_logprobs(scored: tuple, owners: list[tuple[Request, int]], out: tuple) -> None:
+        """Appends each scored row's entry (its target's logprob and rank, then its request's top n) to its
+        request's prompt_logprobs, in prompt order."""
+        logprob, rank, top_ids, top_logprobs = (t.tolist() for t in out)
+        for row, ((req, n), token) in enumerate(zip(owners, scored[1].tolist())):
+            entry = {token: Logprob(logprob[row], rank[row])}
+            for r, (tok, value) in enumerate(zip(top_ids[row][:n], top_logprobs[row][:n])):
+                entry.setdefault(tok, Logprob(value, r + 1))
+            req.prompt_logprobs.append(entry)
 
     def _count_drafts(self, states, draft_lens, tokens) -> None:
         for state, verified, toks in zip(states, draft_lens, tokens):
@@ -569,18 +616,24 @@ class LLMEngine:
         req = self.requests.pop(request_id)
         req.metrics.finished_time = time.monotonic()
         outputs = [self._completion(self.seqs.pop(s)) for s in req.seq_ids]
-        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, True, req.metrics)
+        self._decode_logprobs(req.prompt_logprobs or [])
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, True, req.metrics,
+                             req.prompt_logprobs)
 
     def _completion(self, state: SeqState) -> CompletionOutput:
         if not isinstance(state.stop_reason, str):  # a stop string already cut the text
             state.text = self._final_text(state)
-        for entry in state.logprobs:
-            for tok, lp in entry.items():
-                lp.decoded_token = self._decode([tok], False)
+        self._decode_logprobs(state.logprobs)
         return CompletionOutput(state.index, state.text, state.token_ids,
                                 state.cumulative_logprob if state.params.logprobs is not None else None,
                                 state.logprobs if state.params.logprobs is not None else None,
                                 state.finish_reason, state.stop_reason, state.error)
+
+    def _decode_logprobs(self, entries: list[dict | None]) -> None:
+        """Sets each Logprob's decoded_token (entries: a list of {token id: Logprob}, None where nothing scored)."""
+        for entry in entries:
+            for tok, lp in (entry or {}).items():
+                lp.decoded_token = self._decode([tok], False)
 
     @staticmethod
     def _final_text(state: SeqState) -> str:

@@ -1,4 +1,6 @@
 """Turns a C++ ScheduledBatch into tensors, runs the model forward and the sampler."""
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -6,6 +8,10 @@ from deepinfer import _C
 from deepinfer.layers import cpu_ops
 from deepinfer.layers.attention_metadata import AttentionMetadata
 from deepinfer.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+
+
+# Prompt rows scored per slice: their fp32 logits (256 x a 128k vocabulary: 128 MiB) are made and dropped in turn.
+SCORE_ROWS = 256
 
 
 class ModelRunner:
@@ -46,7 +52,10 @@ class ModelRunner:
         """logits(batch) from its prepared inputs; decodes_all: _decodes_all(batch, meta)."""
         if decodes_all:  # every row is a sampled last token
             return self.model.forward_logits(input_ids, meta)
-        hidden = self.model(input_ids, meta)
+        return self._sampled_logits(batch, self.model(input_ids, meta), meta)
+
+    def _sampled_logits(self, batch, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, ...] -> [S, V] fp32 logits at the last token of each sampled sequence."""
         return self.model.compute_logits(hidden[meta.last_token_indices[torch.from_numpy(batch.sampled).bool()]])
 
     @torch.inference_mode()
@@ -58,10 +67,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     @cpu_ops.scratch_kept()
-    def execute(self, batch, sampling: SamplingBatch) -> SamplerOutput:
-        """The step's forward and draw."""
+    def execute(self, batch, sampling: SamplingBatch, prompt: tuple | None = None) -> SamplerOutput:
+        """The step's forward and draw. prompt: (rows [P], targets [P] int64, n) of a prefill: the logits at those
+        rows score the target tokens (the next prompt tokens), token_logprobs' results in the output's `prompt`."""
         input_ids, meta = self.prepare(batch)
-        return self.sampler(self._logits(batch, input_ids, meta, _decodes_all(batch, meta)), sampling)
+        if prompt is None:
+            return self.sampler(self._logits(batch, input_ids, meta, _decodes_all(batch, meta)), sampling)
+        hidden = self.model(input_ids, meta)
+        out = self.sampler(self._sampled_logits(batch, hidden, meta), sampling)
+        return dataclasses.replace(out, prompt=self._score(hidden, *prompt))
+
+    def _score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, n: int) -> tuple:
+        """token_logprobs of targets [P] under the logits at hidden rows [P], SCORE_ROWS rows of logits at a time."""
+        parts = [cpu_ops.token_logprobs(self.model.compute_logits(hidden[rows[i:i + SCORE_ROWS]]),
+                                        targets[i:i + SCORE_ROWS], n) for i in range(0, len(rows), SCORE_ROWS)]
+        return tuple(torch.cat(p) for p in zip(*parts))
 
     def draw(self, batch, sampling: tuple | None, num_logprobs: int = -1) -> SamplerOutput | None:
         """A decode step whose rows are all plain draws (greedy or sampled, with or without logprobs), drawn in the

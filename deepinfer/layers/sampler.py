@@ -50,13 +50,15 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     """tokens [B] int64 (-1 on failure); token_logprob [B] and token_rank [B] (1 = most likely)
-    of the sampled token; topk_ids / topk_logprobs [B, n] or None."""
+    of the sampled token; topk_ids / topk_logprobs [B, n] or None. prompt: for a prefill that scores prompt tokens
+    (ModelRunner.execute's `prompt`), cpu_ops.token_logprobs' four tensors over those rows."""
 
     tokens: torch.Tensor
     token_logprob: torch.Tensor | None
     token_rank: torch.Tensor | None
     topk_ids: torch.Tensor | None
     topk_logprobs: torch.Tensor | None
+    prompt: tuple | None = None
 
 
 class Sampler:
