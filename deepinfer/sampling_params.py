@@ -48,9 +48,9 @@ class SamplingParams:
     """n: completions per prompt. temperature: 0 means greedy. top_k: 0 or -1 disables.
     max_tokens: None means up to max_model_len. logprobs: number of top logprobs per token
     (the sampled token's is always included). prompt_logprobs: the same for each prompt token from the second on,
-    scored by the model's logits at the token before it (RequestOutput.prompt_logprobs). stop: strings that end the text (excluded from
-    it unless include_stop_str_in_output). stop_token_ids: tokens that end generation (kept in
-    token_ids). presence_penalty / frequency_penalty in [-2, 2] and repetition_penalty > 0 as in vLLM
+    scored by the model's logits at the token before it (RequestOutput.prompt_logprobs). stop: strings that end
+    the text (excluded from it unless include_stop_str_in_output). stop_token_ids: tokens that end generation (kept
+    in token_ids). presence_penalty / frequency_penalty in [-2, 2] and repetition_penalty > 0 as in vLLM
     (repetition reaches prompt and output tokens, the other two output tokens only). logit_bias: {token id:
     bias} added to the logits, each bias clamped to [-100, 100]. allowed_token_ids: only these may be drawn.
     bad_words: words never generated (their last token is banned after the rest). truncate_prompt_tokens:

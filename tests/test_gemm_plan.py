@@ -303,7 +303,8 @@ def test_engine_packs_what_measures_faster_and_agree_has_the_last_word(tiny_qwen
     exp, lin = layouts(measured)
     assert exp == {experts} and (lin == {linears} or lin == {False, linears})  # a tied LM head stays row-major
     votes = []
-    plain = LLMEngine(dataclasses.replace(measured.config), agree=lambda flags: votes.append(flags) or [False] * len(flags))
+    plain = LLMEngine(dataclasses.replace(measured.config),
+                      agree=lambda flags: votes.append(flags) or [False] * len(flags))
     assert layouts(plain)[0] == {False} and True not in layouts(plain)[1] and True in votes[0]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = []

@@ -161,3 +161,36 @@ def test_response_format_maps_to_structured_outputs():
 def test_a_batch_of_only_bad_lines_still_writes_every_result(tmp_path, chat_model):
     results, _ = run_cli(tmp_path, chat_model, [BAD["url"], BAD["not json"]], "--disable-progress-bar")
     assert [r["error"]["code"] for r in results] == ["invalid_request_error", "invalid_json"]
+
+
+def test_echo_and_prompt_logprobs_as_vllm_gives_them(tmp_path, chat_model):
+    """A loglikelihood request as lm-eval sends it (completions, echo, logprobs=1, one new token): text and logprobs
+    start with the prompt's, the first prompt token's logprob null; "prompt_logprobs" per choice and per chat
+    response in vLLM's form; echo on chat refused."""
+    lines = [line("echo", "/v1/completions", prompt="the quick brown", echo=True, logprobs=1, max_tokens=1,
+                  temperature=0),
+             line("chat", "/v1/chat/completions", messages=CHAT, temperature=0, max_tokens=2, prompt_logprobs=2),
+             line("chat-echo", "/v1/chat/completions", messages=CHAT, echo=True)]
+    results, _ = run_cli(tmp_path, chat_model, lines)
+    llm = LLM(chat_model, dtype="float32", kv_cache_memory=16 << 20, block_size=4, num_threads=1)
+    ref = llm.generate(["the quick brown"], SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    choice = results[0]["response"]["body"]["choices"][0]
+    prompt_ids, out = ref.prompt_token_ids, ref.outputs[0]
+    assert choice["text"] == "the quick brown" + out.text
+    lp = choice["logprobs"]
+    tok = llm.get_tokenizer()
+    assert lp["tokens"] == [tok.decode([t]) for t in prompt_ids + out.token_ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = [e[t].logprob for t, e in zip(prompt_ids[1:], ref.prompt_logprobs[1:])]
+    want.append(out.logprobs[0][out.token_ids[0]].logprob)
+    assert lp["token_logprobs"][1:] == pytest.approx(want, rel=1e-6, abs=0)
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    served = choice["prompt_logprobs"]
+    assert served[0] is None and len(served) == len(prompt_ids)
+    for entry, (t, mine) in zip(served[1:], zip(prompt_ids[1:], ref.prompt_logprobs[1:])):
+        assert entry[str(t)]["rank"] == mine[t].rank and entry[str(t)]["decoded_token"] == tok.decode([t])
+    chat = results[1]["response"]["body"]
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(2 <= len(e) <= 3 for e in chat["prompt_logprobs"][1:])
+    assert "'echo' is supported for /v1/completions only" in results[2]["error"]["message"]

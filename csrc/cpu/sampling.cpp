@@ -382,7 +382,9 @@ int64_t count_above(const float* row, int64_t V, float mx, float ls, float t) {
 std::vector<std::pair<float, int64_t>> top_values(const float* row, int64_t V, int64_t n) {
   using Entry = std::pair<float, int64_t>;
   // "a before b" = a is the better: greater value, or equal value and lower id. The heap keeps the worst in front.
-  const auto better = [](const Entry& a, const Entry& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  const auto better = [](const Entry& a, const Entry& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
   std::vector<Entry> heap;
   heap.reserve(n + 1);
   const auto offer = [&](int64_t v) {

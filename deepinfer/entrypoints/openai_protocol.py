@@ -11,9 +11,9 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _SAME_NAME = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
               "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
               "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "skip_special_tokens",
-              "include_stop_str_in_output")
+              "include_stop_str_in_output", "prompt_logprobs")
 # Fields whose non-default values this offline runner cannot honour.
-_UNSUPPORTED = {"stream": False, "echo": False, "suffix": None, "tools": None, "structural_tag": None}
+_UNSUPPORTED = {"stream": False, "suffix": None, "tools": None, "structural_tag": None}
 # vLLM's older per-constraint fields -> StructuredOutputsParams keys.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -41,6 +41,11 @@ def sampling_params(url: str, body: dict) -> SamplingParams:
         kwargs["logprobs"] = body.get("logprobs")
     elif body.get("logprobs"):
         kwargs["logprobs"] = body.get("top_logprobs") or 0
+    if body.get("echo"):
+        if url != COMPLETIONS:
+            raise RequestError("'echo' is supported for /v1/completions only")
+        if kwargs["logprobs"] is not None:  # the echoed prompt's tokens get logprobs as the completion's do
+            kwargs.setdefault("prompt_logprobs", kwargs["logprobs"])
     kwargs["structured_outputs"] = _structured_outputs(body)
     try:
         return SamplingParams(**kwargs)
@@ -99,31 +104,66 @@ def _message(index: int, message) -> dict:
     return {"role": message["role"], "content": content}
 
 
-def response_body(url: str, out: RequestOutput, params: SamplingParams, model: str, decode) -> dict:
+def response_body(url: str, out: RequestOutput, params: SamplingParams, model: str, decode,
+                  echo: bool = False) -> dict:
     """An OpenAI completion or chat.completion object for the request's output; decode(token_id) -> its text
-    (for logprob entries)."""
+    (for logprob entries). echo (completions): each choice's text and logprobs start with the prompt's. With
+    prompt_logprobs, vLLM's "prompt_logprobs" field (per choice for completions, per response for chat)."""
     completions = url == COMPLETIONS
     top = params.logprobs or 0
-    choices = [_completion_choice(c, top, decode) if completions else _chat_choice(c, top, decode)
-               for c in out.outputs]
+    prompt_lp = _prompt_logprobs(out.prompt_logprobs)
+    if completions:
+        echoed = _Echo(out, decode) if echo else None
+        choices = [dict(_completion_choice(c, top, decode, echoed), prompt_logprobs=prompt_lp) for c in out.outputs]
+    else:
+        choices = [_chat_choice(c, top, decode) for c in out.outputs]
     generated = sum(len(c.token_ids) for c in out.outputs)
     prompt = len(out.prompt_token_ids)
-    return {"id": f"{'cmpl' if completions else 'chatcmpl'}-{uuid.uuid4().hex}",
+    body = {"id": f"{'cmpl' if completions else 'chatcmpl'}-{uuid.uuid4().hex}",
             "object": "text_completion" if completions else "chat.completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}}
+    return body if completions else dict(body, prompt_logprobs=prompt_lp)
 
 
-def _completion_choice(c, top: int, decode) -> dict:
+class _Echo:
+    """The prompt as an echoed completion starts: its text, tokens and (where scored) their logprob entries, the
+    first token's None as OpenAI gives it."""
+
+    def __init__(self, out: RequestOutput, decode):
+        ids = out.prompt_token_ids
+        self.tokens = [decode(t) for t in ids]
+        self.text = out.prompt if out.prompt is not None else "".join(self.tokens)
+        self.entries = out.prompt_logprobs or [None] * len(ids)
+        self.token_logprobs = [None if e is None else e[t].logprob for t, e in zip(ids, self.entries)]
+
+
+def _completion_choice(c, top: int, decode, echo: _Echo | None = None) -> dict:
+    def keyed(entry):
+        return None if entry is None else _text_keyed(_top(entry, top, lambda tok, lp: (decode(tok), lp.logprob)))
+
     logprobs = None
     if c.logprobs is not None:
         tokens = [decode(t) for t in c.token_ids]
-        logprobs = {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(c.token_ids, c.logprobs)],
-                    "top_logprobs": [_text_keyed(_top(e, top, lambda tok, lp: (decode(tok), lp.logprob)))
-                                     for e in c.logprobs],
+        token_logprobs = [e[t].logprob for t, e in zip(c.token_ids, c.logprobs)]
+        top_logprobs = [keyed(e) for e in c.logprobs]
+        if echo is not None:
+            tokens, token_logprobs = echo.tokens + tokens, echo.token_logprobs + token_logprobs
+            top_logprobs = [keyed(e) for e in echo.entries] + top_logprobs
+        logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                     "text_offset": _offsets(tokens)}
-    return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+    text = c.text if echo is None else echo.text + c.text
+    return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason}
+
+
+def _prompt_logprobs(entries: list | None) -> list | None:
+    """RequestOutput.prompt_logprobs as vLLM serialises them: per prompt token None or {token id: {"logprob",
+    "rank", "decoded_token"}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]
 
 
 def _chat_choice(c, top: int, decode) -> dict:

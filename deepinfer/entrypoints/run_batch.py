@@ -25,6 +25,7 @@ class BatchLine:
     prompt: tuple[str | None, list[int]] | None = None
     error: RequestError | None = None
     status: int = 400
+    echo: bool = False  # completions: the prompt starts the text (and logprobs)
 
 
 def add_parser(subparsers) -> None:
@@ -80,6 +81,7 @@ def parse_line(index: int, text: str, llm: LLM, served: list[str]) -> BatchLine:
     try:
         body = _check_envelope(request, served)
         line.params = protocol.sampling_params(line.url, body)
+        line.echo = bool(body.get("echo"))
         prompt = protocol.prompt_of(line.url, body, llm.chat_prompt)
         line.prompt = llm.prepare_request(index, prompt, line.params)
     except RequestError as e:
@@ -119,7 +121,7 @@ def run_lines(llm: LLM, lines: list[BatchLine], model: str, use_tqdm: bool) -> l
         if failed:
             results.append(_result(line.custom_id, 500, None, RequestError(failed[0], "generation_error")))
         else:
-            body = protocol.response_body(line.url, out, line.params, model, decode)
+            body = protocol.response_body(line.url, out, line.params, model, decode, line.echo)
             results.append(_result(line.custom_id, 200, body, None))
     return results
 

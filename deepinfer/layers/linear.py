@@ -34,7 +34,8 @@ class Linear(nn.Module):
 
     def pack_weights(self) -> None:
         """Repacks a bf16 weight in place into bf16 pairs, which cpu_ops.PACKED_ISA's kernel reads (whether that pays
-        is the engine's measured choice: gemm_plan packs_linear); its shape and storage stay. Only for weights no other module reads as rows."""
+        is the engine's measured choice: gemm_plan packs_linear); its shape and storage stay. Only for weights no other
+        module reads as rows."""
         if not self.packed and cpu_ops.can_pack(self.weight):
             cpu_ops.pack_in_place(self.weight.data)
             self.packed = True

@@ -28,8 +28,8 @@ class FusedMoE(nn.Module):
 
     def pack_weights(self) -> None:
         """Repacks the bf16 experts in place into bf16 pairs, which cpu_ops.PACKED_ISA's kernel reads (whether that
-        pays is the engine's measured choice: gemm_plan packs_experts); the tensors keep their shapes, storage and per-expert slices, so EPLB moves and
-        expert sharding copy packed experts as they copied row-major ones."""
+        pays is the engine's measured choice: gemm_plan packs_experts); the tensors keep their shapes, storage and
+        per-expert slices, so EPLB moves and expert sharding copy packed experts as they copied row-major ones."""
         if self.packed or not cpu_ops.can_pack(self.gate_up_proj, self.down_proj):
             return
         cpu_ops.pack_in_place(self.gate_up_proj.data, self.down_proj.data)
