@@ -66,6 +66,19 @@ def test_greedy_dp2_matches_dp1(tiny_qwen3_moe, dp2):
     assert sum(s["tokens"] > 0 for s in stats) == 2
 
 
+def test_prompt_logprobs_dp2_match_dp1(tiny_qwen3_moe, dp2):
+    """Each rank scores the prompts it prefills; the front hands RequestOutput.prompt_logprobs through."""
+    ps = prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    ref = LLM(tiny_qwen3_moe, **SMALL).generate(ps, params, use_tqdm=False)
+    outs = dp2.generate(ps, params, use_tqdm=False)
+    for got, want in zip(outs, ref):
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(got.prompt_token_ids)
+        for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+
+
 def test_sampled_dp2_matches_dp1(tiny_qwen3_moe, dp2):
     """A sampled token depends on the sequence's seed and position only, not on the rank or the batch it
     runs in: seeded and unseeded requests on 2 ranks equal one engine's (same engine seed, request ids)."""
