@@ -492,10 +492,8 @@ class LLMEngine:
         request's prompt_logprobs, in prompt order."""
         logprob, rank, top_ids, top_logprobs = (t.tolist() for t in out)
         for row, ((req, n), token) in enumerate(zip(owners, scored[1].tolist())):
-            entry = {token: Logprob(logprob[row], rank[row])}
-            for r, (tok, value) in enumerate(zip(top_ids[row][:n], top_logprobs[row][:n])):
-                entry.setdefault(tok, Logprob(value, r + 1))
-            req.prompt_logprobs.append(entry)
+            req.prompt_logprobs.append(_logprob_entry(token, logprob[row], rank[row], top_ids[row][:n],
+                                                      top_logprobs[row][:n]))
 
     def _count_drafts(self, states, draft_lens, tokens) -> None:
         for state, verified, toks in zip(states, draft_lens, tokens):
@@ -589,12 +587,8 @@ class LLMEngine:
             state.cumulative_logprob += logprob
             if n is None:
                 continue
-            entry = {token: Logprob(logprob, int(out.token_rank[row]))}
-            if n:
-                top = zip(out.topk_ids[row, :n].tolist(), out.topk_logprobs[row, :n].tolist())
-                for rank, (tok, value) in enumerate(top):
-                    entry.setdefault(tok, Logprob(value, rank + 1))
-            state.logprobs.append(entry)
+            state.logprobs.append(_logprob_entry(token, logprob, int(out.token_rank[row]),
+                                                 out.topk_ids[row, :n].tolist(), out.topk_logprobs[row, :n].tolist()))
 
     def _hit_stop_string(self, state: SeqState, finished: bool) -> bool:
         """Detokenises the step's new tokens (all that is left when finished) and cuts the text at the
@@ -719,3 +713,12 @@ class LLMEngine:
 def _num_logprobs(states: list[SeqState]) -> int:
     """The most top logprobs any of these sequences wants per token; -1 where none wants logprobs."""
     return max((s.params.logprobs for s in states if s.params.logprobs is not None), default=-1)
+
+
+def _logprob_entry(token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]) -> dict:
+    """{token id: Logprob} of one position as vLLM reports it: the scored token's, then the top ones in rank order
+    (a top token that is the scored one keeps its own entry)."""
+    entry = {token: Logprob(logprob, rank)}
+    for r, (tok, value) in enumerate(zip(top_ids, top_logprobs)):
+        entry.setdefault(tok, Logprob(value, r + 1))
+    return entry
