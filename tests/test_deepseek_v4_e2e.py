@@ -11,12 +11,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def checkpoint(tmp_path_factory):
+    """(path, transformers' model) of a tiny random V4."""
     path = tmp_path_factory.mktemp("v4e2e") / "tiny"
-    hf = make_checkpoint(path, seed=1)
+    return str(path), make_checkpoint(path, seed=1)
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint):
+    path, hf = checkpoint
     prompts = [prompt_of(5, 31), prompt_of(37, 32), prompt_of(90, 33), prompt_of(19, 34), prompt_of(48, 35)]
     refs = [hf_greedy(hf, p, 24) for p in prompts]
-    return str(path), prompts, refs
+    return path, prompts, refs
 
 
 def greedy(n):
@@ -90,3 +96,22 @@ def test_eplb_records_v4_routing_and_replanned_placement_keeps_tokens(ckpt):
     assert eplb.num_moved > 0 and (eplb.placement.logcnt[:, 1] > 1).all()
     outs = llm.generate(prompts, greedy(24), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
+
+
+def test_prompt_logprobs_match_transformers(checkpoint):
+    """V4's prompt tokens scored through its compressed and sliding-window attention (prompts past one HCA window,
+    chunked prefill of 16 tokens) equal transformers' log_softmax at each position: value, rank and the top 2."""
+    path, hf = checkpoint
+    prompts = [prompt_of(37, 41), prompt_of(6, 42)]
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, max_num_batched_tokens=16,
+              max_model_len=128)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for p, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            row, token = ref[p - 1], ids[p]
+            assert set(entry) == {token, *row.topk(2).indices.tolist()}
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[token].rank == 1 + int((row > row[token]).sum())
