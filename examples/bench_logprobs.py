@@ -11,7 +11,7 @@ import statistics
 
 from deepinfer import platform
 from deepinfer.docs import write_section
-from examples.bench_medium_moe import NEW, PROMPT, alternated, medium_llm
+from examples.bench_medium_moe import NEW, PROMPT, alternated, medium_llm, per_round
 from examples.bench_sampled_decode import decode_ms
 from examples.make_medium_qwen3_moe import make
 
@@ -27,9 +27,7 @@ def table(ms: dict, batches: list[int], threads: int) -> str:
         none, zero, five = (med[m, b] for m in MODES)
         rows.append(f"| {threads} | {b} | {none:.1f} | {zero:.1f} | {five:.1f} | {zero / none:.3f} | "
                     f"{five / none:.3f} |")
-    per_round = "; ".join(f"batch {b}: " + ", ".join(f"{m} " + " / ".join(f"{x:.1f}" for x in ms[m, b])
-                                                     for m in MODES) for b in batches)
-    return "\n".join(rows) + f"\n\nPer round (ms): {per_round}."
+    return "\n".join(rows) + "\n\n" + per_round(ms, list(MODES), batches)
 
 
 def main():

@@ -37,6 +37,14 @@ def alternated(modes: list, batches: list[int], rounds: int, run) -> dict:
     return out
 
 
+def per_round(ms: dict, modes: list, batches: list[int], label=str) -> str:
+    """alternated's {(mode, batch): [ms, one per round]} as a line: "Per round (ms): batch b: <label(mode)> r1 / r2
+    ...; ..."."""
+    rounds = "; ".join(f"batch {b}: " + ", ".join(f"{label(m)} " + " / ".join(f"{x:.1f}" for x in ms[m, b])
+                                                  for m in modes) for b in batches)
+    return f"Per round (ms): {rounds}."
+
+
 def prompts(batch: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(batch)
     return [torch.randint(3, vocab, (PROMPT,), generator=g).tolist() for _ in range(batch)]

@@ -11,7 +11,7 @@ import time
 
 from deepinfer import LLM, SamplingParams, platform
 from deepinfer.docs import write_section
-from examples.bench_medium_moe import NEW, PROMPT, alternated, medium_llm, prompts
+from examples.bench_medium_moe import NEW, PROMPT, alternated, medium_llm, per_round, prompts
 from examples.make_medium_qwen3_moe import make
 
 STEPS = (1, 8)
@@ -47,9 +47,7 @@ def table(ms: dict, batches: list[int], threads: int) -> str:
         g1, s1, g8, s8 = (med[(d, k), b] for k in STEPS for d in DRAWS)
         rows.append(f"| {threads} | {b} | {g1:.1f} | {s1:.1f} | {s1 / g1:.3f} | {g8:.1f} | {s8:.1f} | {s8 / g8:.3f} | "
                     f"{s8 / s1:.3f} |")
-    per_round = "; ".join(f"batch {b}: " + ", ".join(f"{d} k={k} " + " / ".join(f"{x:.1f}" for x in ms[(d, k), b])
-                                                     for d, k in MODES) for b in batches)
-    return "\n".join(rows) + f"\n\nPer round (ms): {per_round}."
+    return "\n".join(rows) + "\n\n" + per_round(ms, MODES, batches, lambda mode: f"{mode[0]} k={mode[1]}")
 
 
 def main():
