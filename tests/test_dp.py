@@ -207,6 +207,24 @@ def test_killed_rank_raises_quickly_and_leaves_nothing(tiny_qwen3_moe, ray_local
 # expert-parallel MoE without Ray (two spawned processes on gloo)
 
 
+def two_ranks(worker, args: list[tuple]) -> list:
+    """Runs worker(rank, port, *args[rank], queue) in two spawned processes that meet on one free port -> what each
+    put on the queue, sorted."""
+    import torch.multiprocessing as mp
+
+    from deepinfer.distributed.process_groups import free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, *args[r], queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    return results
+
+
 def _ep_worker(rank, port, tokens, queue):
     from deepinfer.distributed.ep_moe import EPStats, ExpertParallel, shard_experts
     from deepinfer.distributed.process_groups import DPGroup
@@ -232,18 +250,7 @@ def _ep_worker(rank, port, tokens, queue):
 
 @pytest.mark.parametrize("tokens", [(5, 3), (6, 0)])
 def test_expert_parallel_matches_fused_moe(tokens):
-    import torch.multiprocessing as mp
-
-    from deepinfer.distributed.process_groups import free_port
-
-    ctx, port = mp.get_context("spawn"), free_port()
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_ep_worker, args=(r, port, tokens[r], queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(10)
+    results = two_ranks(_ep_worker, [(tokens[0],), (tokens[1],)])
     assert results == [(0, True, 4), (1, True, 4)]  # dispatch + combine, twice
 
 
@@ -268,18 +275,7 @@ def _transfer_worker(rank, port, queue):
 
 
 def test_expert_weights_move_between_ranks_by_plan_transfers():
-    import torch.multiprocessing as mp
-
-    from deepinfer.distributed.process_groups import free_port
-
-    ctx, port = mp.get_context("spawn"), free_port()
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_transfer_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(10)
+    results = two_ranks(_transfer_worker, [(), ()])
     assert results == [(0, True, True), (1, True, True)]
 
 
@@ -294,19 +290,7 @@ def _agree_worker(rank, port, flags, queue):
 def test_ranks_agree_on_a_flag_only_where_all_raise_it():
     """What keeps an expert-parallel group's weight layouts alike (LLMEngine's agree): a flag only every rank
     raised survives, whatever each rank measured."""
-    import torch.multiprocessing as mp
-
-    from deepinfer.distributed.process_groups import free_port
-
-    ctx, port = mp.get_context("spawn"), free_port()
-    queue = ctx.Queue()
-    flags = [[True, True, False, False], [True, False, True, False]]
-    procs = [ctx.Process(target=_agree_worker, args=(r, port, flags[r], queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(10)
+    results = two_ranks(_agree_worker, [([True, True, False, False],), ([True, False, True, False],)])
     assert results == [(r, [True, False, False, False], []) for r in range(2)]
 
 
