@@ -251,11 +251,7 @@ class GemmPlan:
             times = fastest({(i, p): (lambda i=i, p=p, layout=layout: run_linear(p, x, next(ring)[i][0], None,
                                                                                   packed=layout))
                              for i, layout in enumerate(layouts) for p in paths[layout]})[1]
-            for i, layout in enumerate(layouts):
-                mine = {p: t for (j, p), t in times.items() if j == i}
-                path = self.table[_key(_kind("linear", layout), dtype, n, k, m)] = _choose(mine)
-                chosen[layout][m] = mine[path]
-                logger.debug("GEMM calibration linear %dx%d%s rows %d: %s", n, k, " packed" * layout, m, _fmt(mine))
+            self._keep(times, layouts, lambda layout: _key(_kind("linear", layout), dtype, n, k, m), chosen)
         self._save()
         return chosen
 
@@ -287,14 +283,19 @@ class GemmPlan:
 
             times = fastest({(i, p): (lambda i=i, p=p: run(i, p)) for i, layout in enumerate(layouts)
                              for p in self.cpu_paths(rows=m, packed=layout) + ["torch-bf16"]})[1]
-            for i, layout in enumerate(layouts):
-                mine = {p: t for (j, p), t in times.items() if j == i}
-                path = self.table[_key(_kind("experts", layout), h, two_i, m)] = _choose(mine)
-                chosen[layout][m] = mine[path]
-                logger.debug("GEMM calibration experts h %d 2i %d%s rows %d: %s", h, two_i, " packed" * layout, m,
-                             _fmt(mine))
+            self._keep(times, layouts, lambda layout: _key(_kind("experts", layout), h, two_i, m), chosen)
         self._save()
         return chosen
+
+    def _keep(self, times: dict, layouts: list[bool], key, chosen: dict) -> None:
+        """One row count's race, {(layout index, path): seconds} -> each layout's choice (_choose) in the table at
+        key(layout), and its seconds in chosen[layout][rows]."""
+        for i, layout in enumerate(layouts):
+            mine = {p: t for (j, p), t in times.items() if j == i}
+            path = self.table[key(layout)] = _choose(mine)
+            chosen[layout][key(layout)[-1]] = mine[path]
+            logger.debug("GEMM calibration %s rows %d: %s", _label(_encode(key(layout)[:-1])), key(layout)[-1],
+                         _fmt(mine))
 
     # -- layout ---------------------------------------------------------------------------------------
 
