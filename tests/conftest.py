@@ -50,6 +50,20 @@ def tiny_experts_plan_label(llm=None) -> str | tuple[str, str]:
     return names[0] if any(m.packed for m in llm.engine.model.modules() if isinstance(m, FusedMoE)) else names[1]
 
 
+def assert_logprobs_alike(got: list, want: list, abs_tol: float) -> None:
+    """Two lists of per-position logprob entries ({token id: Logprob}, or None where nothing scored) alike: the same
+    positions and tokens, ranks and decoded tokens, logprobs within abs_tol (a chunk, batch or kernel sums in its own
+    order)."""
+    import pytest
+
+    assert len(got) == len(want)
+    for x, y in zip(got, want):
+        assert (x is None) == (y is None) and (x is None or x.keys() == y.keys())
+        for tok in x or {}:
+            assert x[tok].rank == y[tok].rank and x[tok].decoded_token == y[tok].decoded_token
+            assert x[tok].logprob == pytest.approx(y[tok].logprob, abs=abs_tol)
+
+
 def our_kernel_path(dtype: torch.dtype, m: int, w: torch.Tensor, packed: bool = False) -> str:
     """A GemmPlan.linear_path that keeps every linear on our kernels (the fused halves need them): the exact ISA,
     or for weights the engine packed the kernel that reads them."""

@@ -11,6 +11,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.dp import DECODE, PREFILL, DecodeBalancer, StepVote
+from tests.conftest import assert_logprobs_alike
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SMALL = dict(dtype="float32", kv_cache_memory=16 << 20, block_size=4, num_threads=1)
@@ -73,10 +74,8 @@ def test_prompt_logprobs_dp2_match_dp1(tiny_qwen3_moe, dp2):
     ref = LLM(tiny_qwen3_moe, **SMALL).generate(ps, params, use_tqdm=False)
     outs = dp2.generate(ps, params, use_tqdm=False)
     for got, want in zip(outs, ref):
-        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(got.prompt_token_ids)
-        for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
-            assert a.keys() == b.keys()
-            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+        assert len(got.prompt_logprobs) == len(got.prompt_token_ids)
+        assert_logprobs_alike(got.prompt_logprobs, want.prompt_logprobs, 1e-4)
 
 
 def test_sampled_dp2_matches_dp1(tiny_qwen3_moe, dp2):

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from deepinfer import LLM, SamplingParams
+from tests.conftest import assert_logprobs_alike
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [12, 13], [40, 41, 42, 43, 44],
            [100]]
@@ -49,13 +50,10 @@ def test_prompt_logprobs_match_transformers(fixture, request):
 
 
 def same(got: list, want: list) -> bool:
-    """Lists of prompt_logprobs equal up to float rounding (a chunk or batch sums its attention in its own order)."""
-    for a, b in zip(got, want, strict=True):
-        for x, y in zip(a, b, strict=True):
-            assert (x is None) == (y is None) and (x is None or x.keys() == y.keys())
-            for tok in x or {}:
-                assert x[tok].rank == y[tok].rank and x[tok].decoded_token == y[tok].decoded_token
-                assert x[tok].logprob == pytest.approx(y[tok].logprob, abs=1e-5)
+    """Each request's prompt_logprobs alike (assert_logprobs_alike, to 1e-5)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert_logprobs_alike(a, b, 1e-5)
     return True
 
 
