@@ -19,9 +19,16 @@
 
 namespace deepinfer {
 
-void attend_group_avx512(const float* q, int64_t G, const float* keys, const float* values, int64_t n, int64_t D,
-                         int64_t ld, float scale, const float* sinks, float* p, float* out) {
-  attn::attend_group<Avx512>(q, G, keys, values, n, D, ld, scale, sinks, p, out);
+void attend_heads_avx512(const float* q, int64_t kv_heads, int64_t group, const float* keys, const float* values,
+                         const int64_t* rows, int64_t n, int64_t D, float scale, const float* sinks, float* p,
+                         float* out) {
+  attn::attend_heads<Avx512>(q, kv_heads, group, keys, values, rows, n, D, scale, sinks, p, out);
+}
+
+void attend_heads_avx512(const float* q, int64_t kv_heads, int64_t group, const uint16_t* keys, const uint16_t* values,
+                         const int64_t* rows, int64_t n, int64_t D, float scale, const float* sinks, float* p,
+                         float* out) {
+  attn::attend_heads<Avx512>(q, kv_heads, group, keys, values, rows, n, D, scale, sinks, p, out);
 }
 
 }  // namespace deepinfer

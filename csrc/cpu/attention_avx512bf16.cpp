@@ -1,6 +1,6 @@
 // Paged GQA decode attention on bf16 q and caches with bf16 dot products (vdpbf16ps), for CPUs with
-// AVX512-BF16. The fp32 path (decode_attention.cpp) widens every key and value row into buffers and sums
-// each score across lanes; at batch 64 that widening and those sums took ~70% of its time (Zen 4, perf).
+// AVX512-BF16. The fp32 path (attention_kernel.h) widens every key and value vector and sums each score across
+// lanes; at batch 64 widening and sums took ~70% of its time (Zen 4, perf, when it still widened into buffers).
 // Here the keys stay bf16: 16 keys' rows are transposed as bf16 pairs, so one vector holds one pair of
 // dimensions of 16 keys and each query head's pair is a broadcast operand: 16 scores per accumulator, no
 // horizontal sums. Values are widened in registers as they are read. Headers with non-template code are

@@ -23,6 +23,10 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// An element of an fp32 or a bf16 array, as fp32 (for kernels templated on the element type).
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return from_bf16(v); }
+
 inline float round_to(float f, bool bf16) { return bf16 ? from_bf16(to_bf16(f)) : f; }
 
 // to_bf16 of 8 lanes, left in the high halves of 32-bit lanes (the low halves zero): the rounded fp32 value.

@@ -15,9 +15,13 @@
 
 namespace deepinfer {
 
-// attention_avx512.cpp: attention_kernel.h compiled for AVX-512.
-void attend_group_avx512(const float* q, int64_t G, const float* keys, const float* values, int64_t n, int64_t D,
-                         int64_t ld, float scale, const float* sinks, float* p, float* out);
+// attention_avx512.cpp: attention_kernel.h compiled for AVX-512, on fp32 and on bf16 rows.
+void attend_heads_avx512(const float* q, int64_t kv_heads, int64_t group, const float* keys, const float* values,
+                         const int64_t* rows, int64_t n, int64_t D, float scale, const float* sinks, float* p,
+                         float* out);
+void attend_heads_avx512(const float* q, int64_t kv_heads, int64_t group, const uint16_t* keys, const uint16_t* values,
+                         const int64_t* rows, int64_t n, int64_t D, float scale, const float* sinks, float* p,
+                         float* out);
 // attention_avx512bf16.cpp: one sequence on bf16 q and caches, keys never widened.
 size_t paged_sequence_avx512bf16_bytes(int64_t H, int64_t D, int64_t max_keys);
 void paged_sequence_avx512bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
@@ -26,11 +30,16 @@ void paged_sequence_avx512bf16(const uint16_t* q, const uint16_t* k_cache, const
 
 namespace {
 
-using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float,
+template <class T>
+using AttendFn = void (*)(const float*, int64_t, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, float,
                           const float*, float*, float*);
 
-// The fp32 instantiation for isa (AVX512 or AVX2).
-AttendFn attend_fn(Isa isa) { return isa == Isa::AVX512 ? attend_group_avx512 : attn::attend_group<Avx2>; }
+// The instantiation for isa (AVX512 or AVX2) on rows of T (float, or uint16_t: bf16).
+template <class T>
+AttendFn<T> attend_fn(Isa isa) {
+  if (isa == Isa::AVX512) return attend_heads_avx512;
+  return attn::attend_heads<Avx2, T>;
+}
 
 // Sequences [b0, b1) of paged_decode_attention on the AVX512_BF16 path.
 void paged_sequences_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
@@ -44,21 +53,23 @@ void paged_sequences_bf16(const uint16_t* q, const uint16_t* k_cache, const uint
                               block_size, work.data());
 }
 
-// V4 sequence b: gathers its valid keys into kv [n, D] fp32, then all H heads over it (K = V). work: (W + K) * D +
-// H * (2 * D + W + K) floats.
-void attend_sequence(AttendFn attend, const void* q, const void* ring, const int64_t* ring_len, const void* comp,
+// V4 sequence b: gathers its valid keys into kv [n, D] fp32, then all H heads over it (K = V). work: W + K row
+// offsets (int64), then (W + K) * D + H * (2 * D + W + K) floats.
+void attend_sequence(AttendFn<float> attend, const void* q, const void* ring, const int64_t* ring_len, const void* comp,
                      const uint8_t* comp_valid, const float* sinks, float scale, void* out, bool bf16, int64_t b,
-                     int64_t H, int64_t D, int64_t W, int64_t K, float* work) {
-  float* kv = work;               // [n, D]
-  float* qf = kv + (W + K) * D;   // [H, D]
-  float* acc = qf + H * D;        // [H, D]
-  float* p = acc + H * D;         // [H, n]
+                     int64_t H, int64_t D, int64_t W, int64_t K, int64_t* work) {
+  int64_t* rows = work;                                // [n]
+  float* kv = reinterpret_cast<float*>(rows + W + K);  // [n, D]
+  float* qf = kv + (W + K) * D;                        // [H, D]
+  float* acc = qf + H * D;                             // [H, D]
+  float* p = acc + H * D;                              // [H, n]
   int64_t n = 0;
   for (int64_t w = 0; w < std::min(ring_len[b], W); ++w, ++n) load_row(ring, (b * W + w) * D, D, bf16, &kv[n * D]);
   for (int64_t k = 0; k < K; ++k)
     if (comp_valid[b * K + k]) load_row(comp, (b * K + k) * D, D, bf16, &kv[n++ * D]);
+  for (int64_t j = 0; j < n; ++j) rows[j] = j * D;
   load_row(q, b * H * D, H * D, bf16, qf);
-  attend(qf, H, kv, kv, n, D, D, scale, sinks, p, acc);
+  attend(qf, 1, H, kv, kv, rows, n, D, scale, sinks, p, acc);
   store_row(out, b * H * D, H * D, bf16, acc);
 }
 
@@ -69,9 +80,9 @@ void v4_decode_attention(const void* q, const void* ring, const int64_t* ring_le
                          int64_t H, int64_t D, int64_t W, int64_t K, int num_threads) {
   // Sequences split across threads only when each gets enough work to beat the wake-up cost.
   const int threads = threads_for(B * H * (W + K) * D, num_threads, 1 << 22);
-  const AttendFn attend = attend_fn(decode_attention_isa(false, D));
+  const AttendFn<float> attend = attend_fn<float>(decode_attention_isa(false, D));
   parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
-    Scratch<float> work(ScratchUse::DECODE_ATTENTION, (W + K) * D + H * (2 * D + W + K));
+    Scratch<int64_t> work(ScratchUse::DECODE_ATTENTION, W + K + ((W + K) * D + H * (2 * D + W + K) + 1) / 2);
     for (int64_t b = b0; b < b1; ++b)
       attend_sequence(attend, q, ring, ring_len, comp, comp_valid, sinks, scale, out, bf16, b, H, D, W, K, work.data());
   });
@@ -90,56 +101,52 @@ Isa decode_attention_isa(bool bf16, int64_t D) {
 
 namespace {
 
-// Keys or values of one sequence's first n positions, heads' elements [h0, h0 + width) of each row (row: Hkv * D
-// elements) -> dst [n, width] fp32. All heads: a cache block's rows are one contiguous run, widened in one loop.
-void widen_heads(const void* cache, bool bf16, const int64_t* table, int64_t n, int64_t block_size, int64_t row,
-                 int64_t h0, int64_t width, float* dst) {
-  for (int64_t j = 0; j < n; j += block_size) {
-    const int64_t src = table[j / block_size] * block_size * row + h0, rows = std::min(block_size, n - j);
-    if (width == row) {
-      load_row(cache, src, rows * row, bf16, dst + j * row);
-      continue;
+// AVX2 / AVX512 on rows of T, task (b, part): sequence b's kv heads [g0, g1) (all of them when there are as many
+// sequences as threads; with fewer, the heads are split so every thread has work: at batch 1 a layer's attention
+// on one of two threads cost as much as its 2 MB o_proj on both), read in place through its rows' offsets.
+template <class T>
+void paged_sequences(const void* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                     const int64_t* context_lens, float scale, void* out, bool bf16, int64_t B, int64_t H, int64_t Hkv,
+                     int64_t D, int64_t block_size, int64_t max_blocks, int threads, Isa isa) {
+  const int64_t group = H / Hkv, max_keys = max_blocks * block_size, row = Hkv * D;
+  const AttendFn<T> attend = attend_fn<T>(isa);
+  const int64_t parts = B >= threads ? 1 : std::min<int64_t>(Hkv, (threads + B - 1) / B);
+  parallel_ranges(B * parts, threads, [&](int64_t t0, int64_t t1) {
+    // This thread's buffers (no zeroing: only what a task writes is read): the offsets of a sequence's rows
+    // [max_keys] (int64), then q, out [H, D] and p [H, max_keys] (fp32).
+    Scratch<int64_t> work(ScratchUse::DECODE_ATTENTION, max_keys + (2 * H * D + H * max_keys + 1) / 2);
+    int64_t* rows = work.data();
+    float *qf = reinterpret_cast<float*>(rows + max_keys), *acc = qf + H * D, *p = acc + H * D;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / parts, g0 = Hkv * (t % parts) / parts, g1 = Hkv * (t % parts + 1) / parts;
+      const int64_t n = std::min(context_lens[b], max_keys), q_elems = (g1 - g0) * group * D;
+      const int64_t* table = block_tables + b * max_blocks;
+      for (int64_t j = 0; j < n; ++j) rows[j] = (table[j / block_size] * block_size + j % block_size) * row;
+      load_row(q, (b * H + g0 * group) * D, q_elems, bf16, qf);
+      attend(qf, g1 - g0, group, k_cache + g0 * D, v_cache + g0 * D, rows, n, D, scale, nullptr, p, acc);
+      store_row(out, (b * H + g0 * group) * D, q_elems, bf16, acc);
     }
-    for (int64_t r = 0; r < rows; ++r) load_row(cache, src + r * row, width, bf16, dst + (j + r) * width);
-  }
+  });
 }
 
 }  // namespace
 
-// AVX2 / AVX512, task (b, part): sequence b's kv heads [g0, g1) (all of them when there are as many sequences as
-// threads; with fewer, the heads are split so every thread has work: at batch 1 a layer's attention on one of two
-// threads cost as much as its 2 MB o_proj on both). Their keys and values widened to fp32 once, then each kv head's
-// H / Hkv query heads at once, reading its keys at a stride of (g1 - g0) * D.
 void paged_decode_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                             const int64_t* context_lens, float scale, void* out, bool bf16, int64_t B, int64_t H,
                             int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int num_threads, Isa isa) {
-  const int64_t group = H / Hkv, max_keys = max_blocks * block_size, row = Hkv * D;
-  const int threads = threads_for(B * H * max_keys * D, num_threads);
+  const int threads = threads_for(B * H * max_blocks * block_size * D, num_threads);
   if (isa == Isa::AVX512_BF16)
     return parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
       paged_sequences_bf16(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
                            static_cast<const uint16_t*>(v_cache), block_tables, context_lens, scale,
                            static_cast<uint16_t*>(out), H, Hkv, D, block_size, max_blocks, b0, b1);
     });
-  const AttendFn attend = attend_fn(isa);
-  const int64_t parts = B >= threads ? 1 : std::min<int64_t>(Hkv, (threads + B - 1) / B);
-  parallel_ranges(B * parts, threads, [&](int64_t t0, int64_t t1) {
-    // This thread's buffers (no zeroing: only what a task writes is read): keys, values [max_keys, Hkv, D] (at
-    // most), q, out [H, D], p [group, max_keys].
-    Scratch<float> work(ScratchUse::DECODE_ATTENTION, 2 * max_keys * row + 2 * H * D + group * max_keys);
-    float *keys = work.data(), *values = keys + max_keys * row, *qf = values + max_keys * row, *acc = qf + H * D;
-    float* p = acc + H * D;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / parts, g0 = Hkv * (t % parts) / parts, g1 = Hkv * (t % parts + 1) / parts;
-      const int64_t n = std::min(context_lens[b], max_keys), width = (g1 - g0) * D, q_elems = (g1 - g0) * group * D;
-      widen_heads(k_cache, bf16, block_tables + b * max_blocks, n, block_size, row, g0 * D, width, keys);
-      widen_heads(v_cache, bf16, block_tables + b * max_blocks, n, block_size, row, g0 * D, width, values);
-      load_row(q, (b * H + g0 * group) * D, q_elems, bf16, qf);
-      for (int64_t g = 0; g < g1 - g0; ++g)
-        attend(qf + g * group * D, group, keys + g * D, values + g * D, n, D, width, scale, nullptr, p, acc + g * group * D);
-      store_row(out, (b * H + g0 * group) * D, q_elems, bf16, acc);
-    }
-  });
+  if (bf16)
+    return paged_sequences(q, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
+                           block_tables, context_lens, scale, out, true, B, H, Hkv, D, block_size, max_blocks, threads,
+                           isa);
+  paged_sequences(q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), block_tables,
+                  context_lens, scale, out, false, B, H, Hkv, D, block_size, max_blocks, threads, isa);
 }
 
 }  // namespace deepinfer

@@ -1,7 +1,7 @@
 #pragma once
 // Decode attention on the CPU: one query row per sequence, each key read once for every query head that shares
-// it: widened to fp32 once per sequence, or (bf16 on AVX512-BF16 CPUs, attention_avx512bf16.cpp) multiplied as
-// bf16 pairs in place.
+// it, in place in the paged cache: widened to fp32 in registers (attention_kernel.h), or (bf16 on AVX512-BF16
+// CPUs, attention_avx512bf16.cpp) multiplied as bf16 pairs.
 //
 // DeepSeek-V4 decode attention (tilelang_ops/v4_decode_attention.py states the math; its torch
 // reference spends most of its ~1.8 ms per medium-model layer at batch 16 on copies and dispatch).
@@ -27,7 +27,7 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
                             const int64_t* context_lens, float scale, void* out, bool bf16, int64_t B, int64_t H,
                             int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int num_threads, Isa isa);
 
-// Whether paged_decode_attention has an isa path for these inputs on this CPU: AVX2 and AVX512 widen to fp32;
+// Whether paged_decode_attention has an isa path for these inputs on this CPU: AVX2 and AVX512 compute in fp32;
 // AVX512_BF16 takes bf16 with D a multiple of 32.
 bool decode_attention_runs(Isa isa, bool bf16, int64_t D);
 
