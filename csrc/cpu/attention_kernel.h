@@ -38,11 +38,14 @@ void dot_block(const float* q, const T* base, const int64_t* rows, int64_t D, fl
   typename V::reg acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = V::zero();
   int64_t d = 0;
-  for (; d + V::LANES <= D; d += V::LANES)
+  for (; d + V::LANES <= D; d += V::LANES) {
+    typename V::reg qv[HP];
+    for (int h = 0; h < HP; ++h) qv[h] = V::load(q + h * D + d);
     for (int r = 0; r < R; ++r) {
       const typename V::reg k = load_elems<V>(base + rows[r] + d);
-      for (int h = 0; h < HP; ++h) acc[h * R + r] = V::fma(V::load(q + h * D + d), k, acc[h * R + r]);
+      for (int h = 0; h < HP; ++h) acc[h * R + r] = V::fma(qv[h], k, acc[h * R + r]);
     }
+  }
   __m256 a[8];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) a[i] = V::fold8(acc[i]);  // unrolled: acc stays in registers (see weighted_sum)
@@ -126,7 +129,7 @@ void weighted_sum(const float* p, int64_t ldp, int64_t n, const T* values, const
 template <class V, int HP, class T>
 void weighted_sum_heads(const float* p, int64_t ldp, int64_t n, const T* values, const int64_t* rows, int64_t D,
                         float* out, bool first) {
-  constexpr int DR = 4;
+  constexpr int DR = V::PV_DIMS;
   int64_t d0 = 0;
   for (; d0 + DR * V::LANES <= D; d0 += DR * V::LANES)
     weighted_sum<V, HP, DR>(p, ldp, n, values, rows, D, d0, out, first);

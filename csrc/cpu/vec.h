@@ -21,9 +21,10 @@ struct Avx2 {
   // shares 4 widened weight vectors across 2 rows; larger M shares 3 across 4 rows (12 accumulators +
   // 3 weights + 1 input). The wide path's outer products take 6 weight rows (12 accumulators).
   static constexpr int GEMV_C = 8, SMALL_R = 2, SMALL_C = 4, BIG_R = 4, BIG_C = 3, WIDE_N = 6;
-  // Decode attention's weighted sum (attention_kernel.h): heads sharing each loaded value vector, with 4
-  // vectors of dims each (8 accumulators + 4 values + 1 weight).
-  static constexpr int PV_HEADS = 2;
+  // Decode attention's weighted sum (attention_kernel.h): heads sharing each loaded value vector, with PV_DIMS
+  // vectors of dims each (8 accumulators + 2 values + 1 weight). A bf16 value vector costs three uops to widen on
+  // the FP pipes the FMAs use: 4 heads x 2 vectors spend 6 of them per 8 FMAs, 2 heads x 4 vectors spent 12.
+  static constexpr int PV_HEADS = 4, PV_DIMS = 2;
 
   static reg zero() { return _mm256_setzero_ps(); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }

@@ -17,7 +17,7 @@ struct Avx512 {
   // 32 zmm registers: the big tile shares 6 weight vectors across 4 rows (24 accumulators + 6 + 1),
   // the wide path's outer products take 12 weight rows (12 accumulators of one 16-row group).
   static constexpr int GEMV_C = 8, SMALL_R = 2, SMALL_C = 4, BIG_R = 4, BIG_C = 6, WIDE_N = 12;
-  static constexpr int PV_HEADS = 4;  // 16 accumulators + 4 values + 1 weight
+  static constexpr int PV_HEADS = 4, PV_DIMS = 4;  // 16 accumulators + 4 values + 1 weight
 
   static reg zero() { return _mm512_setzero_ps(); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
