@@ -60,8 +60,10 @@ void dot_block(const float* q, const T* base, const int64_t* rows, int64_t D, fl
   _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
 }
 
-// Rows [j0, j1) (row j at base + rows[j], width elements) fetched towards L1 ahead of their use.
-template <class T>
+// Rows [j0, j1) (row j at base + rows[j], width elements) fetched towards L1 ahead of their use. Templated on V
+// like everything here, so each ISA's translation unit keeps its own copy (one symbol compiled for AVX-512 would
+// otherwise be free to replace the AVX2 one).
+template <class V, class T>
 void prefetch_rows(const T* base, const int64_t* rows, int64_t j0, int64_t j1, int64_t width) {
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t e = 0; e < width * static_cast<int64_t>(sizeof(T)); e += 64)
@@ -180,7 +182,7 @@ void attend_heads(const float* q, int64_t kv_heads, int64_t group, const T* keys
   for (int64_t j = 0; j < n; j += 8) {
     int64_t at[8];  // past the end, row n - 1 stands in (its scores are not kept)
     for (int i = 0; i < 8; ++i) at[i] = rows[std::min(j + i, n - 1)];
-    prefetch_rows(keys, rows, std::min(j + AHEAD, n), std::min(j + AHEAD + 8, n), width);
+    prefetch_rows<V>(keys, rows, std::min(j + AHEAD, n), std::min(j + AHEAD + 8, n), width);
     for (int64_t g = 0; g < kv_heads; ++g)
       score_group<V>(q, g * group, (g + 1) * group, keys + g * D, at, j, n, D, scale, p);
   }
@@ -189,7 +191,7 @@ void attend_heads(const float* q, int64_t kv_heads, int64_t group, const T* keys
   if (n == 0) std::fill(out, out + H * D, 0.0f);
   for (int64_t j0 = 0; j0 < n; j0 += VALUE_ROWS) {
     const int64_t m = std::min(VALUE_ROWS, n - j0);
-    prefetch_rows(values, rows, std::min(j0 + VALUE_ROWS, n), std::min(j0 + 2 * VALUE_ROWS, n), width);
+    prefetch_rows<V>(values, rows, std::min(j0 + VALUE_ROWS, n), std::min(j0 + 2 * VALUE_ROWS, n), width);
     for (int64_t g = 0; g < kv_heads; ++g) {
       int64_t h = g * group;
       for (; h + V::PV_HEADS <= (g + 1) * group; h += V::PV_HEADS)
