@@ -292,10 +292,10 @@ class GemmPlan:
         key(layout), and its seconds in chosen[layout][rows]."""
         for i, layout in enumerate(layouts):
             mine = {p: t for (j, p), t in times.items() if j == i}
-            path = self.table[key(layout)] = _choose(mine)
-            chosen[layout][key(layout)[-1]] = mine[path]
-            logger.debug("GEMM calibration %s rows %d: %s", _label(_encode(key(layout)[:-1])), key(layout)[-1],
-                         _fmt(mine))
+            k = key(layout)
+            path = self.table[k] = _choose(mine)
+            chosen[layout][k[-1]] = mine[path]
+            logger.debug("GEMM calibration %s rows %d: %s", _label(_encode(k[:-1])), k[-1], _fmt(mine))
 
     # -- layout ---------------------------------------------------------------------------------------
 
