@@ -28,12 +28,12 @@ typename V::reg load_elems(const uint16_t* p) {
   return V::load_bf16(p);
 }
 
-// out[h * R + r] = scale * (q[h] . row r) for HP heads q [HP, D] and R = 8 / HP rows, row r at base + rows[r] (D
+// scale * (q[h] . row r) in lane h * R + r, for HP heads q [HP, D] and R = 8 / HP rows, row r at base + rows[r] (D
 // elements): eight accumulators, each row vector loaded once for all HP heads (HP 4 needs 6 loads per 8 FMAs
 // where one head over 8 rows needs 9), then the 8 sums at once (halves folded to 8 lanes, three rounds of hadd)
 // instead of a horizontal sum each.
 template <class V, int HP, class T>
-void dot_block(const float* q, const T* base, const int64_t* rows, int64_t D, float scale, float* out) {
+__m256 dot_block(const float* q, const T* base, const int64_t* rows, int64_t D, float scale) {
   constexpr int R = 8 / HP;
   typename V::reg acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = V::zero();
@@ -57,7 +57,28 @@ void dot_block(const float* q, const T* base, const int64_t* rows, int64_t D, fl
     for (int h = 0; h < HP; ++h)
       for (int r = 0; r < R; ++r) tail[h * R + r] += q[h * D + d] * to_float(base[rows[r] + d]);
   sums = _mm256_add_ps(sums, _mm256_load_ps(tail));
-  _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+  return _mm256_mul_ps(sums, _mm256_set1_ps(scale));
+}
+
+// HP blocks of dot_block over rows [b R, b R + R) (lane h * R + r) -> s[h]: head h's scores on the 8 rows (lane
+// b R + r), in place: a transpose of HP x HP elements of R lanes.
+template <int HP>
+void scores_by_head(__m256* s) {
+  if constexpr (HP == 2) {
+    const __m256 a = s[0], b = s[1];
+    s[0] = _mm256_permute2f128_ps(a, b, 0x20);
+    s[1] = _mm256_permute2f128_ps(a, b, 0x31);
+  }
+  if constexpr (HP == 4) {
+    const __m256d s0 = _mm256_castps_pd(s[0]), s1 = _mm256_castps_pd(s[1]), s2 = _mm256_castps_pd(s[2]),
+                  s3 = _mm256_castps_pd(s[3]);
+    const __m256d t0 = _mm256_unpacklo_pd(s0, s1), t1 = _mm256_unpackhi_pd(s0, s1);
+    const __m256d t2 = _mm256_unpacklo_pd(s2, s3), t3 = _mm256_unpackhi_pd(s2, s3);
+    s[0] = _mm256_castpd_ps(_mm256_permute2f128_pd(t0, t2, 0x20));
+    s[1] = _mm256_castpd_ps(_mm256_permute2f128_pd(t1, t3, 0x20));
+    s[2] = _mm256_castpd_ps(_mm256_permute2f128_pd(t0, t2, 0x31));
+    s[3] = _mm256_castpd_ps(_mm256_permute2f128_pd(t1, t3, 0x31));
+  }
 }
 
 // Rows [j0, j1) (row j at base + rows[j], width elements) fetched towards L1 ahead of their use. Templated on V
@@ -71,8 +92,10 @@ void prefetch_rows(const T* base, const int64_t* rows, int64_t j0, int64_t j1, i
 }
 
 // p[0, n) = softmax over p and an optional sink logit (-inf: none), in place; false when every logit
-// is -inf (no rows and no sink), which leaves p unnormalised.
-inline bool softmax_with_sink(float* p, int64_t n, float sink) {
+// is -inf (no rows and no sink), which leaves p unnormalised. Templated on V only so that each ISA's
+// translation unit keeps its own copy (see prefetch_rows).
+template <class V>
+bool softmax_with_sink(float* p, int64_t n, float sink) {
   // Eight running maxima: one chain through all n would wait out the max latency on every logit. A NaN
   // logit is passed over (max_ps returns its second operand), as std::max(m, NaN) does.
   __m256 mv = _mm256_set1_ps(sink);
@@ -145,16 +168,24 @@ void weighted_sum_heads(const float* p, int64_t ldp, int64_t n, const T* values,
 }
 
 // p[h * n + j + i] = score of head h (q [HP, D]) on row at[i], for HP heads and the 8 rows at[0, 8) (those with
-// j + i < n kept), R = 8 / HP rows per dot_block.
+// j + i < n kept): one vector store per head (a scalar scatter of each block's sums took a third of this kernel's
+// time outside the dot products, Zen 3).
 template <class V, int HP, class T>
 void score_heads(const float* q, const T* keys, const int64_t* at, int64_t j, int64_t n, int64_t D, float scale,
                  float* p) {
-  constexpr int R = 8 / HP;
-  alignas(32) float s[8];
-  for (int r0 = 0; r0 < 8 && j + r0 < n; r0 += R) {
-    dot_block<V, HP>(q, keys, at + r0, D, scale, s);
-    for (int i = 0; i < 8; ++i)
-      if (j + r0 + i % R < n) p[i / R * n + j + r0 + i % R] = s[i];
+  __m256 s[HP];
+#pragma GCC unroll 4
+  for (int b = 0; b < HP; ++b) s[b] = dot_block<V, HP>(q, keys, at + b * (8 / HP), D, scale);
+  scores_by_head<HP>(s);
+#pragma GCC unroll 4
+  for (int h = 0; h < HP; ++h) {
+    if (j + 8 <= n) {
+      _mm256_storeu_ps(p + h * n + j, s[h]);
+      continue;
+    }
+    alignas(32) float last[8];
+    _mm256_store_ps(last, s[h]);
+    std::copy(last, last + (n - j), p + h * n + j);
   }
 }
 
@@ -187,7 +218,7 @@ void attend_heads(const float* q, int64_t kv_heads, int64_t group, const T* keys
       score_group<V>(q, g * group, (g + 1) * group, keys + g * D, at, j, n, D, scale, p);
   }
   for (int64_t h = 0; h < H; ++h)
-    if (!softmax_with_sink(p + h * n, n, sinks ? sinks[h] : -INFINITY)) std::fill(p + h * n, p + (h + 1) * n, 0.0f);
+    if (!softmax_with_sink<V>(p + h * n, n, sinks ? sinks[h] : -INFINITY)) std::fill(p + h * n, p + (h + 1) * n, 0.0f);
   if (n == 0) std::fill(out, out + H * D, 0.0f);
   for (int64_t j0 = 0; j0 < n; j0 += VALUE_ROWS) {
     const int64_t m = std::min(VALUE_ROWS, n - j0);
