@@ -12,6 +12,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed import channels
 from test_deepseek_v4 import make_checkpoint, prompt_of
+from tests.conftest import assert_logprobs_alike
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -200,9 +201,6 @@ def test_disaggregated_qwen_matches_normal_greedy_seeded_and_n(tiny_qwen3_moe, r
     normal = LLM(tiny_qwen3_moe, **QWEN).generate(prompts, params, use_tqdm=False)
     llm = disagg(tiny_qwen3_moe, **QWEN)
     try:
-        with pytest.raises(ValueError, match="request 1: SamplingParams.prompt_logprobs is not supported with "
-                                             "disaggregation"):
-            llm.generate(prompts[:2], [greedy(), greedy(prompt_logprobs=1)], use_tqdm=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert tokens(outs) == tokens(normal)
         lp, ref = outs[4].outputs[0].logprobs, normal[4].outputs[0].logprobs
@@ -217,6 +215,27 @@ def test_disaggregated_qwen_matches_normal_greedy_seeded_and_n(tiny_qwen3_moe, r
     finally:
         engines = llm.engine.shutdown()
     assert sum(s["imported"] for s in engines.values()) == stats["transfers"]
+
+
+def test_disaggregated_prompt_logprobs_match_normal(tiny_qwen3_moe, ray_local):
+    """The prefill engine scores the prompt and its report carries the scores to the front: a handed-off
+    request, one that ends at its prefill (max_tokens=1), one with two children (each try scores; one list
+    returns) and one that wants none."""
+    prompts = qwen_prompts(4, seed=6)
+    params = [greedy(prompt_logprobs=2), greedy(1, prompt_logprobs=0),
+              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, prompt_logprobs=1),
+              greedy()]
+    normal = LLM(tiny_qwen3_moe, **QWEN).generate(prompts, params, use_tqdm=False)
+    llm = disagg(tiny_qwen3_moe, **QWEN)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert tokens(outs) == tokens(normal)
+    for got, want in zip(outs[:3], normal[:3]):
+        assert len(got.prompt_logprobs) == len(got.prompt_token_ids) and got.prompt_logprobs[0] is None
+        assert_logprobs_alike(got.prompt_logprobs, want.prompt_logprobs, 1e-5)
+    assert outs[3].prompt_logprobs is None
 
 
 @pytest.mark.parametrize("kv_cache_dtype,state_transfer,store", [("auto", "state", False), ("fp8", "auto", False),

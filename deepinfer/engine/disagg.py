@@ -6,7 +6,8 @@ sends each child to a prefill engine (`PrefillBalancer`: context tier, then queu
 the decode engine that will finish it (`DecodeBalancer`: running requests and total KV length), so the KV
 goes prefill -> decode directly over pyzmq (zero-copy frames, engine/kv_transfer.py) and never through the
 front. Engines report to the front on one channel: "prefilled" (first token drawn, KV sent), "received" (the handoff
-reached the decode engine), "imported", "finished". Ray only places and supervises the processes. With prefill_dp /
+reached the decode engine), "imported", "finished". A request's prompt_logprobs are scored by the prefill engine and
+travel to the front with its "prefilled" (or "finished", when it ends at its prefill) report. Ray only places and supervises the processes. With prefill_dp /
 decode_dp = k > 1 each engine is a DP group of k rank processes (DP attention, expert-parallel MoE, one voted step
 type per step, as in engine/dp.py); the balancers then see ranks, since each rank holds its own requests, KV and
 queue.
@@ -180,17 +181,19 @@ class EngineWorker:
 
     def _publish(self, finished: list) -> None:
         """After a step: sends the handoffs it made to their decode engines, and reports the requests that
-        ended here (a decoded one, or one done at its prefill: EOS or max_tokens=1)."""
+        ended here (a decoded one, or one done at its prefill: EOS or max_tokens=1), each with the prompt logprobs
+        this engine scored for it (None on a decode engine, or where not wanted)."""
         self.stats["steps"] += 1
+        scored = {out.request_id: out.prompt_logprobs for out in finished}
         for h in self.engine.handoffs:
-            self._send_handoff(h)
+            self._send_handoff(h, scored.get(h.request_id))
         self.engine.handoffs.clear()
         for out in finished:
             if out.outputs[0].finish_reason != "handoff":
                 self.targets.pop(out.request_id, None)
-                self._emit("finished", out.request_id, out.outputs[0])
+                self._emit("finished", out.request_id, (out.outputs[0], out.prompt_logprobs))
 
-    def _send_handoff(self, h) -> None:
+    def _send_handoff(self, h, prompt_logprobs: list | None) -> None:
         from deepinfer.distributed.channels import Sender
 
         address = self.targets.pop(h.request_id)
@@ -200,7 +203,7 @@ class EngineWorker:
         self.stats["handoffs"] += 1
         self.stats["bytes_sent"] += wire
         self._emit("prefilled", h.request_id, {"kv_bytes": h.kv_bytes, "wire_bytes": wire,
-                                               "replay_tokens": h.replay_tokens})
+                                               "replay_tokens": h.replay_tokens, "prompt_logprobs": prompt_logprobs})
 
     def _emit(self, event: str, key: str, payload) -> None:
         self.front.send((self.role, self.index, event, key, payload))
@@ -235,6 +238,7 @@ class Pending:
     metrics: RequestMetrics
     children: list[Child] = field(default_factory=list)
     kv_len: int = 0  # KV one child holds at its end (what the decode balancer evens out)
+    prompt_logprobs: list | None = None  # as the first prefill to finish scored them (every child's try scores)
 
 
 class DisaggEngine:
@@ -313,12 +317,7 @@ class DisaggEngine:
         return args
 
     # LLMEngine's checks need only config, vocab_size and tokenizer, which the front has.
-    def validate_request(self, index: int | str, prompt_token_ids: list[int], params) -> None:
-        LLMEngine.validate_request(self, index, prompt_token_ids, params)
-        if params.prompt_logprobs is not None:
-            raise ValueError(f"request {index}: SamplingParams.prompt_logprobs is not supported with disaggregation "
-                             "yet (the prefill engine would score the prompt, and handoffs carry no logprobs)")
-
+    validate_request = LLMEngine.validate_request
     _validate_processors = LLMEngine._validate_processors
     grammar_compiler = LLMEngine.grammar_compiler
     eos_token_ids = LLMEngine.eos_token_ids
@@ -398,6 +397,7 @@ class DisaggEngine:
     # ---- events -----------------------------------------------------------------------------------------
 
     def _on_prefilled(self, child: Child, info: dict) -> None:
+        self._keep_prompt_logprobs(child.request, info["prompt_logprobs"])
         self.prefill_balancer.done(child.prefill, len(child.request.prompt_token_ids))
         child.stage, child.sent_at = "transfer", time.monotonic()
         metrics = child.request.metrics
@@ -413,10 +413,17 @@ class DisaggEngine:
     def _on_imported(self, child: Child, _) -> None:
         child.stage = DECODE
 
-    def _on_finished(self, child: Child, out: CompletionOutput) -> None:
+    def _on_finished(self, child: Child, payload: tuple) -> None:
+        out, prompt_logprobs = payload
+        self._keep_prompt_logprobs(child.request, prompt_logprobs)
         self._release(child)
         self.by_key.pop(child.key)
         self._finish(child, out)
+
+    @staticmethod
+    def _keep_prompt_logprobs(req: Pending, prompt_logprobs: list | None) -> None:
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = prompt_logprobs
 
     def _finish(self, child: Child, out: CompletionOutput) -> None:
         child.output = out
@@ -429,7 +436,7 @@ class DisaggEngine:
             req.metrics.num_generation_tokens = sum(len(c.output.token_ids) for c in req.children)
             outputs = [c.output for c in req.children]
             self.finished.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, True,
-                                               req.metrics))
+                                               req.metrics, req.prompt_logprobs))
 
     # ---- faults -----------------------------------------------------------------------------------------
 
