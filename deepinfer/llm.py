@@ -5,7 +5,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from deepinfer.config import EngineConfig, parse_dtype
+from deepinfer.config import EngineConfig, parse_dtype, scheduler_steps
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -51,7 +51,9 @@ class LLM:
     stop checks, logprobs) while every running request draws greedily or samples (temperature, top-k, top-p, min-p)
     with nothing wanted per step in Python (no stop strings, logits processors or structured outputs; others
     run one step per call), so a batch-1 step pays Python's share once per k steps; engine.step() then returns
-    the outputs of up to k steps. Same tokens as k = 1; not with speculative=... or async_scheduling=True."""
+    the outputs of up to k steps, and the loop ends early as soon as a request waits to be prefilled. Same tokens
+    as k = 1; not with speculative=... or async_scheduling=True. Default (None): DEFAULT_SCHEDULER_STEPS, or 1
+    with speculative=... or async_scheduling=True (the setting the benchmarks measure is the one users get)."""
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int = 2 << 30,
@@ -62,7 +64,7 @@ class LLM:
                  batch_invariant: bool = False, enable_chunked_prefill: bool = True,
                  long_prefill_token_threshold: int = 0, prefix_cache: str | dict | None = None,
                  disaggregation: dict | None = None, state_transfer: str = "auto", async_scheduling: bool = False,
-                 num_scheduler_steps: int = 1):
+                 num_scheduler_steps: int | None = None):
         config = EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len or 0,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or 0,
                               kv_cache_memory=kv_cache_memory, block_size=block_size or 0,
@@ -73,7 +75,8 @@ class LLM:
                               enable_chunked_prefill=enable_chunked_prefill,
                               long_prefill_token_threshold=long_prefill_token_threshold,
                               prefix_cache=prefix_cache, state_transfer=state_transfer,
-                              async_scheduling=async_scheduling, num_scheduler_steps=num_scheduler_steps)
+                              async_scheduling=async_scheduling,
+                              num_scheduler_steps=scheduler_steps(num_scheduler_steps, speculative, async_scheduling))
         if disaggregation is not None:  # prefill and decode engines in their own processes (engine/disagg.py)
             if data_parallel_size != 1:
                 raise ValueError("LLM(disaggregation=...) with data_parallel_size > 1 is not supported yet")

@@ -65,7 +65,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     path = make()
-    llms = {m: medium_llm(path, args.batches, args.threads, async_scheduling=m == "async") for m in MODES}
+    # one step per call in both modes: async scheduling against the plain synchronous step
+    llms = {m: medium_llm(path, args.batches, args.threads, async_scheduling=m == "async", num_scheduler_steps=1)
+            for m in MODES}
     # {(mode, batch): [(ms per step, ms outside the forward), one per round]}
     ms = alternated(MODES, args.batches, args.rounds, lambda m, b: decode_ms(llms[m], b))
     text = table(ms, args.batches, args.threads)

@@ -226,7 +226,7 @@ def test_engine_decode_steps_take_the_head_and_draw_greedy_tokens_in_the_call(tm
 
     def generate(logprobs):
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs)
-        llm = LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20)
+        llm = LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20, num_scheduler_steps=1)  # a Python call per step
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
 
     fused, drawn = generate(3), generate(None)
@@ -246,7 +246,7 @@ def test_engine_takes_one_call_per_decode_step_with_unchanged_outputs(tiny_qwen3
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
 
     def generate():
-        llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20)
+        llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, num_scheduler_steps=1)  # a call a step
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.eplb.recorder.total()
 
@@ -270,7 +270,7 @@ def test_layers_are_checked_once_per_input_kind_until_weights_change(tiny_qwen3_
     from eplb.placement import ExpertPlacement
 
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
-    llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20)
+    llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, num_scheduler_steps=1)  # a call a step
     checks, calls = [], []
     check, real, real_greedy = LlamaForCausalLM._check_decode_stack, cpu_ops.decode_step, cpu_ops.decode_drawn
     monkeypatch.setattr(LlamaForCausalLM, "_check_decode_stack",

@@ -186,7 +186,8 @@ def test_non_finite_decode_in_one_call_fails_one_request_only(tiny_qwen3_moe, mo
     from tests.conftest import our_kernel_path
 
     monkeypatch.setattr(gemm_plan.PLAN, "linear_path", our_kernel_path)
-    llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, block_size=4)
+    llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, block_size=4,
+              num_scheduler_steps=1)  # a Python call per step, which the test counts
     engine, drawn, real = llm.engine, [], cpu_ops.decode_drawn
     monkeypatch.setattr(cpu_ops, "decode_drawn", lambda *a: drawn.append(1) or real(*a))
     monkeypatch.setattr(cpu_ops, "decode_step", lambda *a: pytest.fail("a plain decode step left decode_drawn"))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.config import DEFAULT_SCHEDULER_STEPS
 from deepinfer.layers import cpu_ops, gemm_plan
 from tests.conftest import assert_logprobs_alike, our_expert_paths, our_kernel_path
 
@@ -190,6 +191,18 @@ def test_num_scheduler_steps_is_checked(tiny_qwen3_moe):
             engine(tiny_qwen3_moe, bad)
     with pytest.raises(ValueError, match="num_scheduler_steps > 1"):
         engine(tiny_qwen3_moe, 4, async_scheduling=True)
+
+
+def test_default_runs_back_to_back_unless_speculating_or_async(tiny_qwen3_moe, kernels):
+    """What the benchmarks measure is LLM's default: DEFAULT_SCHEDULER_STEPS decode steps per call; one per call
+    where more are refused (speculative=..., async_scheduling=True)."""
+    default = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, block_size=4)
+    assert default.engine.config.num_scheduler_steps == DEFAULT_SCHEDULER_STEPS > 1
+    default.generate(prompts(2), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert ("loop", DEFAULT_SCHEDULER_STEPS) in kernels
+    for kw in (dict(async_scheduling=True), dict(speculative={"method": "ngram", "num_draft_tokens": 2})):
+        llm = LLM(tiny_qwen3_moe, dtype="bfloat16", kv_cache_memory=16 << 20, **kw)
+        assert llm.engine.config.num_scheduler_steps == 1
 
 
 def test_the_sweeps_step_timer_counts_a_run_as_forward(tiny_qwen3_moe, kernels):

@@ -366,7 +366,7 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     log = first.stdout + first.stderr
     assert "peer llamacpp not set up (run examples/peers/setup_peers.sh)" in log
-    assert "needs 64 KV blocks" in log and "point tiny-pool-dp1-b64 round 2 not measured" in log
+    assert "needs 128 KV blocks" in log and "point tiny-pool-dp1-b64 round 2 not measured" in log
     # Round 2 runs the points backwards: the last point of round 1 is the first of round 2.
     order = [line.split(": ", 1)[1] for line in first.stdout.splitlines() if line.startswith("== round")]
     assert order == ["tiny-dp1-b1", "tiny-replay-dp1-b2", "tiny-pool-dp1-b64"] + \

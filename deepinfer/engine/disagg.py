@@ -7,10 +7,10 @@ the decode engine that will finish it (`DecodeBalancer`: running requests and to
 goes prefill -> decode directly over pyzmq (zero-copy frames, engine/kv_transfer.py) and never through the
 front. Engines report to the front on one channel: "prefilled" (first token drawn, KV sent), "received" (the handoff
 reached the decode engine), "imported", "finished". A request's prompt_logprobs are scored by the prefill engine and
-travel to the front with its "prefilled" (or "finished", when it ends at its prefill) report. Ray only places and supervises the processes. With prefill_dp /
-decode_dp = k > 1 each engine is a DP group of k rank processes (DP attention, expert-parallel MoE, one voted step
-type per step, as in engine/dp.py); the balancers then see ranks, since each rank holds its own requests, KV and
-queue.
+travel to the front with its "prefilled" (or "finished", when it ends at its prefill) report. Ray only places and
+supervises the processes. With prefill_dp / decode_dp = k > 1 each engine is a DP group of k rank processes (DP
+attention, expert-parallel MoE, one voted step type per step, as in engine/dp.py); the balancers then see ranks,
+since each rank holds its own requests, KV and queue.
 
 Faults: an engine that dies is noticed from its serve() call (a DP group dies whole: its other ranks are ended too);
 its unfinished children are prefilled again on survivors (a decode engine's KV is gone with it). A handoff not

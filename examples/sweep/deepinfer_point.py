@@ -5,6 +5,7 @@ import time
 import torch
 
 from deepinfer import LLM, SamplingParams, _C
+from deepinfer.config import scheduler_steps
 from deepinfer.layers import gemm_plan
 from examples.sweep.errors import PointError
 from examples.sweep.model_cost import load_config
@@ -28,7 +29,8 @@ def new_tokens(p, opts: dict) -> int:
     (a drafting step commits up to 1 + k tokens; the warmup's and the window's last engine step may each run up to
     num_scheduler_steps - 1 decode steps past them); the run is cut right after the window."""
     spec = opts.get("speculative") or {}
-    past = 2 * (opts.get("num_scheduler_steps", 1) - 1)
+    steps = scheduler_steps(opts.get("num_scheduler_steps"), spec, opts.get("async_scheduling", False))
+    past = 2 * (steps - 1)
     return (p.warmup + p.steps + past) * (1 + int(spec.get("num_draft_tokens", 0))) + 1
 
 
