@@ -52,7 +52,7 @@ class LLM:
     with nothing wanted per step in Python (no stop strings, logits processors or structured outputs; others
     run one step per call), so a batch-1 step pays Python's share once per k steps; engine.step() then returns
     the outputs of up to k steps, and the loop ends early as soon as a request waits to be prefilled. Same tokens
-    as k = 1; not with speculative=... or async_scheduling=True. Default (None): DEFAULT_SCHEDULER_STEPS, or 1
+    as k = 1; not with speculative=... or async_scheduling=True. Default (None): DEFAULT_SCHEDULER_STEPS (8), or 1
     with speculative=... or async_scheduling=True (the setting the benchmarks measure is the one users get)."""
 
     def __init__(self, model: str, dtype="auto", max_model_len: int | None = None, max_num_seqs: int = 256,
