@@ -161,7 +161,8 @@ void paged_sequence_avx512bf16(const uint16_t* q, const uint16_t* k_cache, const
         score_pass(static_cast<int>(std::min<int64_t>(HEADS, (g + 1) * group - h)), k_cache + g * D, rows + c,
                    q + h * D, D, scale, p + h * padded + c, padded);
   }
-  for (int64_t h = 0; h < H; ++h) attn::softmax_with_sink<Avx512>(p + h * padded, n, -INFINITY);  // n >= 1: never all -inf
+  // n >= 1: never all -inf
+  for (int64_t h = 0; h < H; ++h) attn::softmax_with_sink<Avx512>(p + h * padded, n, -INFINITY);
   for (int64_t g = 0; g < Hkv; ++g)
     for (int64_t h = g * group; h < (g + 1) * group; h += HEADS) {
       const int heads = static_cast<int>(std::min<int64_t>(HEADS, (g + 1) * group - h));

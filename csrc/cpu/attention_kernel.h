@@ -2,10 +2,10 @@
 // Decode attention of one sequence's query heads over its n cached rows, written once against a vector traits
 // struct V (vec.h: Avx2, vec_avx512.h: Avx512) and instantiated in the translation unit compiled for each ISA
 // (decode_attention.cpp, attention_avx512.cpp). Each kv head's group of query heads shares its rows (a GQA group,
-// or all of DeepSeek-V4's heads over its shared K=V rows). Rows are fp32, or bf16 (T = uint16_t) widened in registers as
-// they are loaded, and are found through an offset per row, so a paged cache is read in place at its own width.
-// Rows are visited in order, all kv heads of a row at once, the rows ahead fetched by software (a sequence's
-// blocks lie anywhere, which no hardware prefetcher follows): each row comes from memory once.
+// or all of DeepSeek-V4's heads over its shared K=V rows). Rows are fp32, or bf16 (T = uint16_t) widened in
+// registers as they are loaded, and are found through an offset per row, so a paged cache is read in place at its
+// own width. Rows are visited in order, all kv heads of a row at once, the rows ahead fetched by software (a
+// sequence's blocks lie anywhere, which no hardware prefetcher follows): each row comes from memory once.
 #include <immintrin.h>
 
 #include <algorithm>

@@ -19,11 +19,12 @@ def engine_and_prompts(model: str, batch: int, context: int, n: int, dtype: str 
     """vLLM's in-process engine sized for batch sequences of context + n tokens, and batch random token prompts."""
     llm = LLM(model, dtype=dtype, max_model_len=context + n + 8, max_num_seqs=batch, skip_tokenizer_init=True,
               max_num_batched_tokens=max(batch * context, 2048), seed=0)
+    return llm, random_prompts(llm, batch, context, seed=batch)
+
+
+def random_prompts(llm, batch: int, context: int, seed: int) -> list:
+    """batch prompts of context token ids drawn from seed over llm's vocabulary (ids 0-2 left out)."""
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    return llm, random_prompts(batch, context, vocab, seed=batch)
-
-
-def random_prompts(batch: int, context: int, vocab: int, seed: int) -> list:
     rng = random.Random(seed)
     return [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(context)]) for _ in range(batch)]
 
@@ -49,8 +50,7 @@ def main():
     # matmul rate), and timed between the warm-up and the measurements its blocks could evict theirs. Decode stays
     # (generate(n) - generate(1)) on prompts the warm-up cached: with the cache off, the two runs' prefills differ by
     # seconds at 2k-token prompts, which swamped the decode time (347 against 142 ms at batch 8).
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    t_prefill = generate_seconds(llm, random_prompts(batch, context, vocab, seed=batch + 10_000), sampling, 1)
+    t_prefill = generate_seconds(llm, random_prompts(llm, batch, context, seed=batch + 10_000), sampling, 1)
     run(2)  # warm-up; from here on vLLM's prefix cache (on by default) holds every full block of these prompts
     t1, tn = run(1), run(n)
     sps = (n - 1) / (tn - t1)
