@@ -9,8 +9,9 @@ if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from deepinfer.llm import LLM  # noqa: E402  (after the policy: it loads torch)
-from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
-from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from deepinfer.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,  # noqa: E402
+                               RequestMetrics, RequestOutput)
+from deepinfer.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob",
-           "StructuredOutputsParams"]
+           "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]

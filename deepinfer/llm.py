@@ -6,9 +6,10 @@ import time
 from tqdm.auto import tqdm
 
 from deepinfer.config import EngineConfig, parse_dtype, scheduler_steps
+from deepinfer.engine.beam_search import BeamSearch
 from deepinfer.engine.llm_engine import LLMEngine
-from deepinfer.outputs import RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.outputs import BeamSearchOutput, RequestOutput
+from deepinfer.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("deepinfer")
 
@@ -130,6 +131,23 @@ class LLM:
             self.engine.abort_all()
             raise
         return [outputs[r] for r in request_ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: prompts as generate takes them; one BeamSearchOutput per prompt, in order, its
+        beams best first (see engine/beam_search.py). Runs on a single engine (not data_parallel_size > 1 or
+        disaggregation), without speculative decoding or async scheduling."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam_search params must be BeamSearchParams, got {type(params).__name__}")
+        if not isinstance(self.engine, LLMEngine):
+            raise ValueError(f"LLM.beam_search runs on a single engine, not on {type(self.engine).__name__}")
+        search = BeamSearch(self.engine, params)
+        prompts = self._prompt_list(prompts)
+        ids = [self.prepare_request(i, prompt, search.sampling)[1] for i, prompt in enumerate(prompts)]
+        try:
+            return search.run(ids)
+        except BaseException:
+            self.engine.abort_all()
+            raise
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """messages: one conversation (list of {"role", "content"}) or a list of them; the chat

@@ -57,3 +57,23 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default=None)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam, as vLLM's: tokens include the prompt's; logprobs: per generated token the {token id: Logprob} of
+    its step (its candidates); text: the tokens decoded (prompt included, special tokens kept), set on the returned
+    beams."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop": ended by EOS; "length": max_tokens or max_model_len reached
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best beams (at most beam_width), best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -169,3 +169,28 @@ def _structured_outputs(d: dict) -> StructuredOutputsParams:
     if unknown:
         raise ValueError(f"SamplingParams.structured_outputs has unknown keys {sorted(unknown)}")
     return StructuredOutputsParams(**d)
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's parameters, as vLLM's: beam_width beams per prompt, each searched for max_tokens tokens
+    (fewer where max_model_len ends it); ignore_eos: EOS continues a beam instead of completing it; temperature: the
+    draw whose token joins the 2 * beam_width top-logprob candidates of each step (0: the most likely, already one of
+    them); length_penalty: a beam's score is its cumulative logprob / length ** length_penalty, the length counting
+    the prompt (and not a final EOS)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not _is_token(value) or value < 1:
+                raise ValueError(f"BeamSearchParams.{name} must be an integer >= 1, got {value!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"BeamSearchParams.temperature must be finite and >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"BeamSearchParams.length_penalty must be finite, got {self.length_penalty!r}")

@@ -154,6 +154,11 @@ PYBIND11_MODULE(_C, m) {
       .def("set_drafts", &Scheduler::set_drafts, py::arg("seq_id"), py::arg("drafts"))
       .def("finish", &Scheduler::finish)
       .def("release", &Scheduler::release)
+      .def("fork", [](Scheduler& s, int64_t parent_id, int64_t child_id, int32_t last_token) {
+        ForkCopy c = s.fork(parent_id, child_id, last_token);
+        return py::make_tuple(c.src_block, c.dst_block, c.src_slot, c.dst_slot);
+      }, py::arg("parent_id"), py::arg("child_id"), py::arg("last_token"))
+      .def("set_last_token", &Scheduler::set_last_token, py::arg("seq_id"), py::arg("token"))
       .def("sequence", &Scheduler::sequence, py::return_value_policy::copy)
       .def("has_unfinished", &Scheduler::has_unfinished)
       .def("running_ids", &Scheduler::running_ids)

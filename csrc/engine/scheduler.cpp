@@ -456,6 +456,51 @@ void Scheduler::release(int64_t seq_id) {
   seqs_.erase(seq_id);
 }
 
+Sequence* Scheduler::drawn_between_steps(int64_t seq_id) const {
+  Sequence* seq = lookup(seq_id);
+  const std::string name = "sequence " + std::to_string(seq_id);
+  DI_REQUIRE(seq->status == SequenceStatus::RUNNING && seq->finish_reason == FinishReason::NONE,
+             name + " is not running");
+  DI_REQUIRE(seq->schedule_cnt == seq->process_cnt, name + " has a step in flight");
+  DI_REQUIRE(seq->num_output_tokens() > 0 && seq->num_computed_tokens == seq->num_tokens() - 1 &&
+                 seq->draft_tokens.empty(),
+             name + " has no drawn token waiting for its step");
+  return seq;
+}
+
+ForkCopy Scheduler::fork(int64_t parent_id, int64_t child_id, int32_t last_token) {
+  const Sequence* parent = drawn_between_steps(parent_id);
+  DI_REQUIRE(!seqs_.count(child_id), "sequence " + std::to_string(child_id) + " already exists");
+  const int bs = config_.block_size, full = parent->num_computed_tokens / bs;
+  const bool partial = parent->num_computed_tokens % bs != 0;
+  DI_REQUIRE(static_cast<int>(running_.size()) < config_.max_num_seqs && !free_slots_.empty() &&
+                 blocks_.can_allocate(partial ? 1 : 0),
+             "no room to fork sequence " + std::to_string(parent_id) + " (max_num_seqs, state slots or KV blocks)");
+  DI_CHECK(static_cast<int>(parent->block_table.size()) >= full + (partial ? 1 : 0), "parent's blocks short");
+  auto child = std::make_unique<Sequence>(*parent);
+  child->seq_id = child_id;
+  child->arrival = next_arrival_++;
+  child->token_ids.back() = last_token;
+  child->schedule_cnt = child->process_cnt = 0;
+  child->num_preemptions = 0;
+  child->block_table.assign(parent->block_table.begin(), parent->block_table.begin() + full);
+  blocks_.incref(child->block_table);
+  ForkCopy copy;
+  if (partial) {
+    copy.src_block = parent->block_table[full];
+    copy.dst_block = blocks_.allocate(1)[0];
+    child->block_table.push_back(copy.dst_block);
+  }
+  copy.src_slot = parent->state_slot;
+  copy.dst_slot = child->state_slot = free_slots_.back();
+  free_slots_.pop_back();
+  running_.push_back(child.get());
+  seqs_.emplace(child_id, std::move(child));
+  return copy;
+}
+
+void Scheduler::set_last_token(int64_t seq_id, int32_t token) { drawn_between_steps(seq_id)->token_ids.back() = token; }
+
 void Scheduler::check_invariants() const {
   blocks_.check();
   std::vector<int> owners(blocks_.num_blocks(), 0);

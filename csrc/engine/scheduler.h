@@ -61,6 +61,11 @@ struct StepOutput {
   int32_t stop_token;
 };
 
+// What Scheduler::fork leaves the caller to copy: block src -> dst, state slot src -> dst (-1: nothing).
+struct ForkCopy {
+  int src_block = -1, dst_block = -1, src_slot = -1, dst_slot = -1;
+};
+
 class Scheduler {
  public:
   explicit Scheduler(const SchedulerConfig& config);
@@ -104,6 +109,12 @@ class Scheduler {
   void finish(int64_t seq_id, FinishReason reason);
   // PROMPT: drops the scheduler's hold on a handed-off sequence once its KV has been exported.
   void release(int64_t seq_id);
+  // Beam search, between steps: a running sequence whose newest token is drawn but not yet computed goes on as
+  // child_id too, with last_token in that token's place. The child shares the parent's full KV blocks; the
+  // partial block after them and the state slot are its own, and the caller copies the parent's into them.
+  ForkCopy fork(int64_t parent_id, int64_t child_id, int32_t last_token);
+  // Beam search, between steps: replaces a running sequence's newest token (drawn, not yet computed).
+  void set_last_token(int64_t seq_id, int32_t token);
 
   const Sequence& sequence(int64_t seq_id) const;
   std::vector<int64_t> running_ids() const;
@@ -132,6 +143,8 @@ class Scheduler {
   void prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs, const std::vector<int>& chunks,
                       bool ahead = false);
   bool append_token(Sequence* seq, int32_t token);
+  // The running sequence seq_id between steps, its newest token drawn and not yet computed (fork, set_last_token).
+  Sequence* drawn_between_steps(int64_t seq_id) const;
   void remove_running(Sequence* seq);
   Sequence* lookup(int64_t seq_id) const;
 

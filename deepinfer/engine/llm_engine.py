@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,6 +55,7 @@ class SeqState:
     logits_ctx: LogitsContext | None = None  # None: no logits processor touches this request
     grammar: SequenceGrammar | None = None  # structured outputs: where the sequence is in its grammar
     cached_prefix: tuple | None = None  # prefix-store (blocks, last block's hash) to write when first scheduled
+    beam: bool = False  # LLM.beam_search's: forked or retargeted between steps, so one step per call
 
     @property
     def plain_draw(self) -> bool:
@@ -220,9 +221,10 @@ class LLMEngine:
         return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, child: tuple[int, int] | None = None) -> None:
+                    prompt: str | None = None, child: tuple[int, int] | None = None, beam: bool = False) -> None:
         """child: (index, seed) to run only that child of a request whose children are spread over engines
-        (disaggregation); default: all params.n children, with sequence_seed's seeds."""
+        (disaggregation); default: all params.n children, with sequence_seed's seeds. beam: its sequences are
+        LLM.beam_search's beams (fork_sequence, set_last_token, drop_sequence)."""
         if isinstance(prompt_token_ids, (str, bytes, dict)) or not hasattr(prompt_token_ids, "__len__"):
             raise TypeError(f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, got "
                             f"{type(prompt_token_ids).__name__} (LLM.generate takes prompt dicts and strings)")
@@ -243,7 +245,7 @@ class LLMEngine:
             seq_id = next(self._seq_counter)
             state = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
                              logits_ctx=logits_ctx, grammar=self._grammar(params, []),
-                             cached_prefix=(blocks, last_hash) if blocks else None)  # children share the blocks
+                             cached_prefix=(blocks, last_hash) if blocks else None, beam=beam)  # children share blocks
             # only then is it the engine's
             self.scheduler.add_sequence(seq_id, prompt_token_ids, limits, len(blocks) * self.config.block_size)
             self.seqs[seq_id] = state
@@ -358,12 +360,12 @@ class LLMEngine:
 
     def _loop_steps(self, batch, states: list[SeqState]) -> int:
         """How many decode steps from `batch` on may run in one C++ call: num_scheduler_steps when every row is a
-        plain draw (greedy or sampled) and needs no Python per step (stop strings are matched on the text), up to
-        the step whose end replans the experts (that moves weights between steps); else 1. The rows are all the
-        running sequences that decode, and no sequence joins them inside the call."""
+        plain draw (greedy or sampled) and needs no Python per step (stop strings are matched on the text, beams
+        forked), up to the step whose end replans the experts (that moves weights between steps); else 1. The rows
+        are all the running sequences that decode, and no sequence joins them inside the call."""
         n = self.config.num_scheduler_steps
         if n == 1 or batch.type != _C.StepType.DECODE \
-                or not all(s.plain_draw and not s.params.stop_strings for s in states):
+                or not all(s.plain_draw and not s.params.stop_strings and not s.beam for s in states):
             return 1
         replan = None if self.eplb is None else self.eplb.steps_to_replan()
         return n if replan is None else min(n, replan)
@@ -669,6 +671,45 @@ class LLMEngine:
                 except ValueError:
                     pass  # already gone from the scheduler
         return True
+
+    # ---- beam search (engine/beam_search.py): between steps, on sequences whose newest token is drawn --------------
+
+    def fork_sequence(self, seq_id: int, token: int) -> int:
+        """A new sequence of seq_id's request: seq_id with `token` in place of its newest token, sharing its full KV
+        blocks (the partial one and the StateBlock copied). Returns the new sequence's id."""
+        child = next(self._seq_counter)
+        src_block, dst_block, src_slot, dst_slot = self.scheduler.fork(seq_id, child, token)
+        self.cache.load([dst_block] if dst_block >= 0 else [], dst_slot,
+                        self.cache.export([src_block] if src_block >= 0 else [], src_slot))
+        parent = self.seqs[seq_id]
+        req = self.requests[parent.request_id]
+        self.seqs[child] = replace(parent, index=max(self.seqs[s].index for s in req.seq_ids) + 1,
+                                   token_ids=list(parent.token_ids), logprobs=list(parent.logprobs),
+                                   detokenizer=self._detokenizer(parent.params))
+        req.seq_ids.append(child)
+        self._retarget(self.seqs[child], token)
+        return child
+
+    def set_last_token(self, seq_id: int, token: int) -> None:
+        """Replaces seq_id's newest token (drawn, not yet computed) by `token`."""
+        self.scheduler.set_last_token(seq_id, token)
+        self._retarget(self.seqs[seq_id], token)
+
+    @staticmethod
+    def _retarget(state: SeqState, token: int) -> None:
+        """The newest token of state's outputs becomes `token`: its logprob, scored at the same step, replaces the
+        drawn one's in the sum."""
+        drawn, state.token_ids[-1] = state.token_ids[-1], token
+        if state.logprobs:
+            state.cumulative_logprob += state.logprobs[-1][token].logprob - state.logprobs[-1][drawn].logprob
+
+    def drop_sequence(self, seq_id: int) -> None:
+        """Ends one sequence of a request for good (if the scheduler has not ended it already): its blocks return,
+        and the request no longer waits for it."""
+        state = self.seqs.pop(seq_id)
+        self.requests[state.request_id].seq_ids.remove(seq_id)
+        if state.finish_reason is None:
+            self.scheduler.finish(seq_id, _C.FinishReason.ABORT)
 
     # ---- prefix store ---------------------------------------------------------------------------------
 
