@@ -59,30 +59,34 @@ def assert_engine_clean(llm) -> None:
     assert engine.scheduler.num_free_state_slots == engine.config.max_num_seqs
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama):
-    return tiny_llama, AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen3_moe"])
+def model(request):
+    """(path, transformers' model in fp32) of a tiny checkpoint."""
+    path = request.getfixturevalue(request.param)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("params", [BeamSearchParams(beam_width=3, max_tokens=6),
                                     BeamSearchParams(beam_width=2, max_tokens=5, length_penalty=0.5),
                                     BeamSearchParams(beam_width=4, max_tokens=4, ignore_eos=True)])
-def test_matches_vllm_algorithm_on_transformers(llama, params):
-    """Blocks of 4 tokens: beams fork from partial blocks and share full ones; the third prompt's beams meet EOS."""
-    path, hf = llama
+def test_matches_vllm_algorithm_on_transformers(model, params):
+    """Blocks of 4 tokens: beams fork from partial blocks and share full ones."""
+    path, hf = model
     llm = LLM(path, dtype="float32", kv_cache_memory=32 << 20, block_size=4)
     outs = llm.beam_search(PROMPTS, params)
     eos = set() if params.ignore_eos else set(llm.engine.eos_token_ids())
     check(outs, PROMPTS, hf, params, eos)
-    assert any(s.finish_reason == "stop" for o in outs for s in o.sequences) != params.ignore_eos
+    stopped = any(s.finish_reason == "stop" for o in outs for s in o.sequences)
+    assert not (stopped and params.ignore_eos)
+    assert stopped or params.ignore_eos or "tiny_qwen3_moe" in path  # the tiny Llama's third prompt meets EOS
     assert outs[2].sequences[0].text == llm.get_tokenizer().decode(outs[2].sequences[0].tokens)
     assert_engine_clean(llm)
 
 
-def test_waves_chunked_prefill_and_text_prompts(llama):
+def test_waves_chunked_prefill_and_text_prompts(model):
     """Room for one prompt's beams at a time (KV blocks and max_num_seqs), prompts prefilled in chunks of 8 tokens
     while others' beams wait: the same beams as one roomy engine; strings are tokenised as generate does."""
-    path, hf = llama
+    path, hf = model
     params = BeamSearchParams(beam_width=3, max_tokens=6)
     roomy = LLM(path, dtype="float32", kv_cache_memory=32 << 20, block_size=4)
     want = roomy.beam_search(PROMPTS, params)
@@ -96,9 +100,9 @@ def test_waves_chunked_prefill_and_text_prompts(llama):
     assert_engine_clean(tight)
 
 
-def test_max_model_len_ends_the_search(llama):
+def test_max_model_len_ends_the_search(model):
     """A prompt 3 tokens short of max_model_len searches 3 tokens, not max_tokens."""
-    path, hf = llama
+    path, hf = model
     llm = LLM(path, dtype="float32", kv_cache_memory=32 << 20, block_size=4, max_model_len=18)
     params = BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True)
     out = llm.beam_search([PROMPTS[2]], params)[0]
@@ -143,10 +147,10 @@ def test_deepseek_v4_state_blocks_fork(tmp_path):
     assert_engine_clean(llm)
 
 
-def test_a_failed_row_ends_only_its_beam(llama, monkeypatch):
+def test_a_failed_row_ends_only_its_beam(model, monkeypatch):
     """A beam whose row fails (non-finite logits: token -1) gives no continuations; the others carry the search to
     its end and the engine is left clean."""
-    path, _ = llama
+    path, _ = model
     llm = LLM(path, dtype="float32", kv_cache_memory=32 << 20, block_size=4)
     execute, calls = llm.engine._execute, []
 
@@ -167,8 +171,8 @@ def test_a_failed_row_ends_only_its_beam(llama, monkeypatch):
     assert_engine_clean(llm)
 
 
-def test_bad_requests_are_refused(llama):
-    path, _ = llama
+def test_bad_requests_are_refused(model):
+    path, _ = model
     llm = LLM(path, dtype="float32", kv_cache_memory=32 << 20, block_size=4, max_num_seqs=2, max_model_len=32)
     with pytest.raises(ValueError, match="request 0: 3 beams"):
         llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=4))

@@ -1,4 +1,4 @@
-"""Property tests: random add / schedule / process / finish / preempt sequences through the C++
+"""Property tests: random add / schedule / process / finish / preempt / fork sequences through the C++
 core never leak or double-free blocks, keep reference counts consistent and lose no request."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,6 +22,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 20), st.integers(0, 3)),
     st.tuples(st.just("step"), st.integers(0, 10_000), st.booleans()),
     st.tuples(st.just("abort"), st.integers(0, 10_000), st.booleans()),
+    st.tuples(st.just("fork"), st.integers(0, 10_000), st.integers(2, 50)),
 ), min_size=1, max_size=60)
 
 
@@ -29,8 +30,9 @@ ops = st.lists(st.one_of(
 @given(ops=ops, num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 16]),
        max_num_seqs=st.integers(1, 6), budget=st.sampled_from([1, 5, 16, 64]), threshold=st.sampled_from([0, 3]))
 def test_random_traces_keep_invariants(ops, num_blocks, block_size, max_num_seqs, budget, threshold):
-    """Chunked prefill included: budgets below the prompt lengths, and a per-sequence cap; and prefix-store
-    hits (whole cached blocks short of the last prompt token)."""
+    """Chunked prefill included: budgets below the prompt lengths, and a per-sequence cap; prefix-store hits (whole
+    cached blocks short of the last prompt token); and beam-search forks (a fork the sequence's state or the pool
+    does not allow is refused, changing nothing), whose shared blocks then meet preemption and finishes."""
     sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget=budget, threshold=threshold)
     live, finished, next_id = {}, {}, 0
     for op in ops:
@@ -40,6 +42,16 @@ def test_random_traces_keep_invariants(ops, num_blocks, block_size, max_num_seqs
             live[next_id], next_id = op[2], next_id + 1
         elif op[0] == "step":
             _step(sched, live, finished, eos_seed=op[1] if op[2] else None)
+        elif op[0] == "fork" and live:
+            parent = sorted(live)[op[1] % len(live)]
+            before = (sched.block_manager.num_free_blocks, sched.num_running, sched.num_free_state_slots)
+            try:
+                sched.fork(parent, next_id, op[2])
+            except ValueError:  # not between steps with a drawn token, or no room
+                assert (sched.block_manager.num_free_blocks, sched.num_running, sched.num_free_state_slots) == before
+            else:
+                assert sched.sequence(next_id).token_ids[-1] == op[2]
+                live[next_id], next_id = live[parent], next_id + 1
         elif live:
             victim = sorted(live)[op[1] % len(live)]
             sched.finish(victim, _C.FinishReason.ABORT)

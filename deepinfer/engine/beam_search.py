@@ -34,8 +34,9 @@ class _Search:
 
 class BeamSearch:
     def __init__(self, engine, params: BeamSearchParams):
-        if engine.config.async_scheduling or engine.spec is not None:
-            raise ValueError("LLM.beam_search runs without async_scheduling and speculative decoding")
+        if engine.config.async_scheduling or engine.spec is not None or engine.config.engine_type != "normal":
+            raise ValueError("LLM.beam_search runs on a normal engine (engine_type='normal') without "
+                             "async_scheduling and speculative decoding")
         self.engine, self.params = engine, params
         self.eos = set() if params.ignore_eos else set(engine.eos_token_ids())
         self.sampling = SamplingParams(temperature=params.temperature, logprobs=2 * params.beam_width,
