@@ -138,8 +138,6 @@ class LLM:
         disaggregation), without speculative decoding or async scheduling."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search params must be BeamSearchParams, got {type(params).__name__}")
-        if not isinstance(self.engine, LLMEngine):
-            raise ValueError(f"LLM.beam_search runs on a single engine, not on {type(self.engine).__name__}")
         search = BeamSearch(self.engine, params)
         prompts = self._prompt_list(prompts)
         ids = [self.prepare_request(i, prompt, search.sampling)[1] for i, prompt in enumerate(prompts)]

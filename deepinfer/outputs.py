@@ -62,8 +62,8 @@ class RequestOutput:
 @dataclass
 class BeamSearchSequence:
     """One beam, as vLLM's: tokens include the prompt's; logprobs: per generated token the {token id: Logprob} of
-    its step (its candidates); text: the tokens decoded (prompt included, special tokens kept), set on the returned
-    beams."""
+    its step (its candidates); text: the tokens decoded (prompt included; special ones as
+    BeamSearchParams.skip_special_tokens says), set on the returned beams."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]

@@ -177,13 +177,17 @@ class BeamSearchParams:
     (fewer where max_model_len ends it); ignore_eos: EOS continues a beam instead of completing it; temperature: the
     draw whose token joins the 2 * beam_width top-logprob candidates of each step (0: the most likely, already one of
     them); length_penalty: a beam's score is its cumulative logprob / length ** length_penalty, the length counting
-    the prompt (and not a final EOS)."""
+    the prompt (and not a final EOS); skip_special_tokens: left out of the beams' text;
+    include_stop_str_in_output: a beam that EOS completed keeps the EOS in its completion (run-batch's
+    use_beam_search, as vLLM's server; LLM.beam_search's tokens always end with it)."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         for name in ("beam_width", "max_tokens"):

@@ -1,6 +1,8 @@
 """LLM.beam_search against vLLM's beam search run on transformers' logits (every beam re-scored from its whole
 text each step, as vLLM's loop of one-token generates does), on forked sequences: full KV blocks shared, partial
 blocks and V4's StateBlocks copied."""
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -79,7 +81,10 @@ def test_matches_vllm_algorithm_on_transformers(model, params):
     stopped = any(s.finish_reason == "stop" for o in outs for s in o.sequences)
     assert not (stopped and params.ignore_eos)
     assert stopped or params.ignore_eos or "tiny_qwen3_moe" in path  # the tiny Llama's third prompt meets EOS
-    assert outs[2].sequences[0].text == llm.get_tokenizer().decode(outs[2].sequences[0].tokens)
+    tok, best = llm.get_tokenizer(), outs[2].sequences[0]
+    assert best.text == tok.decode(best.tokens, skip_special_tokens=True)
+    kept = llm.beam_search(PROMPTS[2:], replace(params, skip_special_tokens=False))[0].sequences[0]
+    assert kept.tokens == best.tokens and kept.text == tok.decode(best.tokens)
     assert_engine_clean(llm)
 
 

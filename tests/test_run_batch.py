@@ -194,3 +194,67 @@ def test_echo_and_prompt_logprobs_as_vllm_gives_them(tmp_path, chat_model):
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     assert all(2 <= len(e) <= 3 for e in chat["prompt_logprobs"][1:])
     assert "'echo' is supported for /v1/completions only" in results[2]["error"]["message"]
+
+
+def test_use_beam_search_lines_as_vllms_server_answers_them(tmp_path, chat_model):
+    """vLLM's use_beam_search: n beams from LLM.beam_search (one call per set of beam parameters, beside the sampled
+    lines' generate), each a choice with the generated tokens only; fields a search has no use for are refused, and
+    length_penalty without it."""
+    from deepinfer import BeamSearchParams
+
+    lines = [line("beam", "/v1/completions", prompt="the quick brown", use_beam_search=True, n=3, max_tokens=6,
+                  temperature=0, logprobs=2),
+             GOOD[0],
+             line("beam-chat", CHAT_URL, messages=CHAT, use_beam_search=True, n=2, max_tokens=4, temperature=0,
+                  length_penalty=0.5, top_p=1.0),
+             line("top-p", "/v1/completions", prompt="x", use_beam_search=True, n=2, top_p=0.5),
+             line("penalty", "/v1/completions", prompt="x", length_penalty=0.5),
+             line("wide", "/v1/completions", prompt="x", use_beam_search=True, n=120, max_tokens=2)]
+    results, _ = run_cli(tmp_path, chat_model, lines, "--max-num-seqs", "64")
+    llm = LLM(chat_model, dtype="float32", kv_cache_memory=16 << 20, block_size=4, num_threads=1)
+    tok = llm.get_tokenizer()
+    searches = [("the quick brown", BeamSearchParams(3, 6, temperature=0), results[0]),
+                (llm.chat_prompt(CHAT[:1] + [{"role": "user", "content": "the quick"}]),
+                 BeamSearchParams(2, 4, temperature=0, length_penalty=0.5), results[2])]
+    for prompt, params, result in searches:
+        want = llm.beam_search([prompt], params)[0].sequences
+        body, n = result["response"]["body"], len(tok.encode(prompt))
+        assert len(body["choices"]) == params.beam_width
+        for choice, beam in zip(body["choices"], want):
+            generated = beam.tokens[n:]
+            text = choice["text"] if "text" in choice else choice["message"]["content"]
+            assert text == tok.decode(generated[:-1] if beam.finish_reason == "stop" else generated,
+                                      skip_special_tokens=True)
+            assert choice["finish_reason"] == beam.finish_reason
+        assert body["usage"]["completion_tokens"] == sum(
+            len(b.tokens) - n - (b.finish_reason == "stop") for b in want)
+    logprobs = results[0]["response"]["body"]["choices"][0]["logprobs"]
+    best = llm.beam_search(["the quick brown"], BeamSearchParams(3, 6, temperature=0))[0].sequences[0]
+    generated = best.tokens[len(tok.encode("the quick brown")):len(best.tokens) - (best.finish_reason == "stop")]
+    assert logprobs["token_logprobs"] == pytest.approx([e[t].logprob for t, e in zip(generated, best.logprobs)],
+                                                       abs=1e-6)
+    assert results[1]["response"]["status_code"] == 200 and results[2]["response"]["body"]["choices"][0]["logprobs"] \
+        is None
+    assert "'top_p' is not supported with use_beam_search" in results[3]["error"]["message"]
+    assert "'length_penalty' is for use_beam_search only" in results[4]["error"]["message"]
+    assert "request 5: 120 beams" in results[5]["error"]["message"]
+
+
+def test_beam_outputs_as_completions_drop_a_completing_eos():
+    """vLLM's server: an EOS-completed beam's text never shows the EOS, its tokens only with
+    include_stop_str_in_output; finish_reason "stop" and stop_reason the EOS id, "length" otherwise."""
+    from deepinfer import BeamSearchParams
+    from deepinfer.entrypoints.openai_protocol import beam_request_output
+    from deepinfer.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
+
+    entries = [{7: Logprob(-0.5, 1)}, {2: Logprob(-0.25, 1)}]
+    out = BeamSearchOutput([BeamSearchSequence([1, 5, 7, 2], entries, -0.75, finish_reason="stop"),
+                            BeamSearchSequence([1, 5, 7, 8], entries, -1.5, finish_reason="length")])
+    for keep in (False, True):
+        params = BeamSearchParams(2, 2, include_stop_str_in_output=keep)
+        req = beam_request_output(out, "p", [1, 5], params, {2}, lambda ids: ",".join(map(str, ids)), True)
+        stopped, cut = req.outputs
+        assert (stopped.text, stopped.token_ids, stopped.finish_reason, stopped.stop_reason) == \
+            ("7", [7, 2] if keep else [7], "stop", 2)
+        assert (cut.text, cut.token_ids, cut.finish_reason, cut.stop_reason) == ("7,8", [7, 8], "length", None)
+        assert stopped.cumulative_logprob == -0.75 and stopped.logprobs == entries and req.prompt_token_ids == [1, 5]

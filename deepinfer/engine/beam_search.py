@@ -15,6 +15,7 @@ Prompts run in waves that fit the engine at their longest (beam_width sequences 
 tokens, without counting shared blocks), so no beam is ever evicted and the beams of a prompt advance together."""
 from dataclasses import dataclass, field, replace
 
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.outputs import BeamSearchOutput, BeamSearchSequence
 from deepinfer.sampling_params import BeamSearchParams, SamplingParams
 
@@ -32,15 +33,22 @@ class _Search:
     done: int = 0  # steps taken
 
 
+def beam_sampling(params: BeamSearchParams) -> SamplingParams:
+    """What each beam draws per step: one token (greedy or at the temperature) with the 2 * beam_width top logprobs
+    of its position, EOS not ending it (the search decides)."""
+    return SamplingParams(temperature=params.temperature, logprobs=2 * params.beam_width, ignore_eos=True)
+
+
 class BeamSearch:
     def __init__(self, engine, params: BeamSearchParams):
+        if not isinstance(engine, LLMEngine):
+            raise ValueError(f"beam search runs on a single engine, not on {type(engine).__name__}")
         if engine.config.async_scheduling or engine.spec is not None or engine.config.engine_type != "normal":
             raise ValueError("LLM.beam_search runs on a normal engine (engine_type='normal') without "
                              "async_scheduling and speculative decoding")
         self.engine, self.params = engine, params
         self.eos = set() if params.ignore_eos else set(engine.eos_token_ids())
-        self.sampling = SamplingParams(temperature=params.temperature, logprobs=2 * params.beam_width,
-                                       ignore_eos=True)
+        self.sampling = beam_sampling(params)
 
     def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
         """prompts: token ids, each validated -> one BeamSearchOutput per prompt, in order."""
@@ -54,18 +62,27 @@ class BeamSearch:
     def _steps(self, prompt: list[int]) -> int:
         return min(self.params.max_tokens, self.engine.config.max_model_len - len(prompt))
 
+    def blocks_needed(self, index, prompt: list[int]) -> int:
+        """KV blocks the prompt's beams hold at most (none shared); raises ValueError naming request `index` if the
+        engine cannot hold them, or the beams, at once."""
+        width, config = self.params.beam_width, self.engine.config
+        blocks = self.engine.scheduler.block_manager
+        tokens = len(prompt) + self._steps(prompt)
+        need = width * blocks.blocks_for(tokens)
+        if width > config.max_num_seqs or need > blocks.num_blocks:
+            raise ValueError(f"request {index}: {width} beams of {tokens} tokens need {need} KV blocks and {width} "
+                             f"sequences; the engine has {blocks.num_blocks} blocks and "
+                             f"max_num_seqs={config.max_num_seqs}")
+        return need
+
     def _waves(self, prompts: list[list[int]]) -> list[list[tuple[int, list[int]]]]:
         """(index, prompt) groups, in order, whose beams fit the engine's sequences and KV blocks at full length."""
         width, config = self.params.beam_width, self.engine.config
-        blocks = self.engine.scheduler.block_manager
+        num_blocks = self.engine.scheduler.block_manager.num_blocks
         waves, used = [[]], 0
         for i, prompt in enumerate(prompts):
-            need = width * blocks.blocks_for(len(prompt) + self._steps(prompt))
-            if width > config.max_num_seqs or need > blocks.num_blocks:
-                raise ValueError(f"request {i}: {width} beams of {len(prompt) + self._steps(prompt)} tokens need "
-                                 f"{need} KV blocks and {width} sequences; the engine has {blocks.num_blocks} "
-                                 f"blocks and max_num_seqs={config.max_num_seqs}")
-            if waves[-1] and (used + need > blocks.num_blocks or width * (len(waves[-1]) + 1) > config.max_num_seqs):
+            need = self.blocks_needed(i, prompt)
+            if waves[-1] and (used + need > num_blocks or width * (len(waves[-1]) + 1) > config.max_num_seqs):
                 waves.append([])
                 used = 0
             waves[-1].append((i, prompt))
@@ -161,5 +178,6 @@ class BeamSearch:
         best = sorted(search.completed + search.beams, key=self._score, reverse=True)[:self.params.beam_width]
         tokenizer = self.engine.tokenizer
         for beam in best:
-            beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
+            beam.text = None if tokenizer is None else \
+                tokenizer.decode(beam.tokens, skip_special_tokens=self.params.skip_special_tokens)
         return BeamSearchOutput(best)

@@ -3,8 +3,10 @@ RequestOutputs back to OpenAI response bodies, with vLLM's extra sampling fields
 import time
 import uuid
 
-from deepinfer.outputs import RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from dataclasses import fields
+
+from deepinfer.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+from deepinfer.sampling_params import BeamSearchParams, SamplingParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # Body fields that map one to one onto SamplingParams (OpenAI's and vLLM's extra ones).
@@ -33,14 +35,10 @@ def sampling_params(url: str, body: dict) -> SamplingParams:
             raise RequestError(f"'{name}' is not supported by deepinfer run-batch")
     if body.get("best_of") not in (None, body.get("n", 1)):
         raise RequestError("'best_of' other than n is not supported")
+    if body.get("length_penalty", 1.0) != 1.0:
+        raise RequestError("'length_penalty' is for use_beam_search only")
     kwargs = {k: body[k] for k in _SAME_NAME if body.get(k) is not None}
-    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
-    # OpenAI's defaults: 16 tokens for completions; chat runs up to max_model_len.
-    kwargs["max_tokens"] = 16 if limit is None and url == COMPLETIONS else limit
-    if url == COMPLETIONS:
-        kwargs["logprobs"] = body.get("logprobs")
-    elif body.get("logprobs"):
-        kwargs["logprobs"] = body.get("top_logprobs") or 0
+    kwargs["max_tokens"], kwargs["logprobs"] = _max_tokens(url, body), top_logprobs(url, body)
     if body.get("echo"):
         if url != COMPLETIONS:
             raise RequestError("'echo' is supported for /v1/completions only")
@@ -51,6 +49,61 @@ def sampling_params(url: str, body: dict) -> SamplingParams:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
         raise RequestError(str(e)) from e
+
+
+def _max_tokens(url: str, body: dict) -> int | None:
+    """OpenAI's defaults: 16 tokens for completions; chat runs up to max_model_len (None)."""
+    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+    return 16 if limit is None and url == COMPLETIONS else limit
+
+
+def top_logprobs(url: str, body: dict) -> int | None:
+    """Top logprobs per output token: completions' "logprobs", chat's "top_logprobs" once "logprobs" is true."""
+    if url == COMPLETIONS:
+        return body.get("logprobs")
+    return (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+
+
+# With use_beam_search, the body fields besides the limits and logprobs that the search honours (n is the width).
+_BEAM_FIELDS = ("n", "temperature", "ignore_eos", "length_penalty", "include_stop_str_in_output",
+                "skip_special_tokens")
+_SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.init}
+
+
+def beam_search_params(url: str, body: dict, max_model_len: int) -> BeamSearchParams | None:
+    """vLLM's use_beam_search: n beams, temperature 1 unless given (OpenAI's default), max_tokens as generation's
+    (up to max_model_len for chat). A sampling field the search has no use for is refused (vLLM ignores it), as
+    are echo and constrained outputs. None without use_beam_search. Raises RequestError naming the field."""
+    if not body.get("use_beam_search"):
+        return None
+    defaults = {**_SAMPLING_DEFAULTS, "best_of": body.get("n", 1)}
+    unused = [k for k in (*_SAME_NAME, "best_of") if k not in _BEAM_FIELDS and body.get(k) not in (None, defaults[k])]
+    unused += [k for k in ("echo", "response_format", "structured_outputs", *_GUIDED) if body.get(k)]
+    if unused:
+        raise RequestError(f"'{unused[0]}' is not supported with use_beam_search")
+    kwargs = {k: body[k] for k in _BEAM_FIELDS[1:] if body.get(k) is not None}
+    try:
+        return BeamSearchParams(beam_width=body.get("n") or 1, max_tokens=_max_tokens(url, body) or max_model_len,
+                                **{"temperature": 1.0, **kwargs})
+    except (TypeError, ValueError) as e:
+        raise RequestError(str(e)) from e
+
+
+def beam_request_output(out: BeamSearchOutput, prompt: str | None, prompt_token_ids: list[int],
+                        params: BeamSearchParams, eos: set[int], decode_text, logprobs: bool) -> RequestOutput:
+    """A search's beams as a request's completions, as vLLM's server returns them: the generated tokens only, a
+    completing EOS dropped from them unless include_stop_str_in_output (finish_reason "stop", stop_reason its id)
+    and from the text in any case; decode_text(token ids) -> text; logprobs: keep each step's candidates."""
+    completions = []
+    for index, beam in enumerate(out.sequences):
+        generated = beam.tokens[len(prompt_token_ids):]
+        stop = beam.finish_reason == "stop" and generated[-1] in eos
+        text = decode_text(generated[:-1] if stop else generated)
+        tokens = generated[:-1] if stop and not params.include_stop_str_in_output else generated
+        completions.append(CompletionOutput(index, text, tokens, beam.cum_logprob,
+                                            beam.logprobs if logprobs else None, beam.finish_reason,
+                                            generated[-1] if stop else None))
+    return RequestOutput("", prompt, prompt_token_ids, completions, True)
 
 
 def _structured_outputs(body: dict) -> dict | None:
@@ -104,13 +157,13 @@ def _message(index: int, message) -> dict:
     return {"role": message["role"], "content": content}
 
 
-def response_body(url: str, out: RequestOutput, params: SamplingParams, model: str, decode,
-                  echo: bool = False) -> dict:
-    """An OpenAI completion or chat.completion object for the request's output; decode(token_id) -> its text
-    (for logprob entries). echo (completions): each choice's text and logprobs start with the prompt's. With
-    prompt_logprobs, vLLM's "prompt_logprobs" field (per choice for completions, per response for chat)."""
+def response_body(url: str, out: RequestOutput, top: int | None, model: str, decode, echo: bool = False) -> dict:
+    """An OpenAI completion or chat.completion object for the request's output; top: the top logprobs asked for
+    (top_logprobs); decode(token_id) -> its text (for logprob entries). echo (completions): each choice's text and
+    logprobs start with the prompt's. With prompt_logprobs, vLLM's "prompt_logprobs" field (per choice for
+    completions, per response for chat)."""
     completions = url == COMPLETIONS
-    top = params.logprobs or 0
+    top = top or 0
     prompt_lp = _prompt_logprobs(out.prompt_logprobs)
     if completions:
         echoed = _Echo(out, decode) if echo else None

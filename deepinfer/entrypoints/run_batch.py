@@ -2,17 +2,20 @@
 batch-format lines in ({"custom_id", "method": "POST", "url", "body"}, url /v1/completions or
 /v1/chat/completions), one result line out per input line, in input order: {"id", "custom_id", "response":
 {"status_code", "request_id", "body"}, "error"}. A line that cannot run gets status 400 (404 for an unknown
-model) and an error object {"code", "message"}; the other lines still run, in one generate() call."""
+model) and an error object {"code", "message"}; the other lines still run, in one generate() call, and those with
+vLLM's "use_beam_search" in LLM.beam_search calls (one per distinct set of beam parameters)."""
 import argparse
 import json
 import sys
 import uuid
 from dataclasses import dataclass
 
+from deepinfer.engine.beam_search import BeamSearch, beam_sampling
 from deepinfer.entrypoints import openai_protocol as protocol
 from deepinfer.entrypoints.openai_protocol import RequestError
 from deepinfer.llm import LLM
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -21,7 +24,8 @@ class BatchLine:
 
     custom_id: str | None
     url: str = ""
-    params: SamplingParams | None = None
+    params: SamplingParams | BeamSearchParams | None = None
+    top: int | None = None  # top logprobs per output token in the response; None: no logprobs
     prompt: tuple[str | None, list[int]] | None = None
     error: RequestError | None = None
     status: int = 400
@@ -80,10 +84,15 @@ def parse_line(index: int, text: str, llm: LLM, served: list[str]) -> BatchLine:
     line = BatchLine(request.get("custom_id"), request.get("url", ""))
     try:
         body = _check_envelope(request, served)
-        line.params = protocol.sampling_params(line.url, body)
-        line.echo = bool(body.get("echo"))
+        line.params = protocol.beam_search_params(line.url, body, llm.engine.config.max_model_len) or \
+            protocol.sampling_params(line.url, body)
+        line.top, line.echo = protocol.top_logprobs(line.url, body), bool(body.get("echo"))
         prompt = protocol.prompt_of(line.url, body, llm.chat_prompt)
-        line.prompt = llm.prepare_request(index, prompt, line.params)
+        if isinstance(line.params, BeamSearchParams):
+            line.prompt = llm.prepare_request(index, prompt, beam_sampling(line.params))
+            BeamSearch(llm.engine, line.params).blocks_needed(index, line.prompt[1])
+        else:
+            line.prompt = llm.prepare_request(index, prompt, line.params)
     except RequestError as e:
         line.error, line.status = e, 404 if e.code == "model_not_found" else 400
     except ValueError as e:  # the engine's refusal names the request and the field
@@ -105,10 +114,10 @@ def _check_envelope(request: dict, served: list[str]) -> dict:
 
 
 def run_lines(llm: LLM, lines: list[BatchLine], model: str, use_tqdm: bool) -> list[dict]:
-    """Runs every good line in one generate() call; result objects in input order."""
+    """Runs every good line (one generate() call for the sampled ones, one beam_search() per set of beam
+    parameters); result objects in input order."""
     good = [line for line in lines if line.error is None]
-    prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in (line.prompt for line in good)]
-    outputs = iter(llm.generate(prompts, [line.params for line in good], use_tqdm=use_tqdm) if good else [])
+    outputs = {id(line): out for line, out in [*_generate(llm, good, use_tqdm), *_beam_search(llm, good)]}
     tok = llm.get_tokenizer()
     decode = (lambda t: tok.decode([t])) if tok is not None else str
     results = []
@@ -116,14 +125,43 @@ def run_lines(llm: LLM, lines: list[BatchLine], model: str, use_tqdm: bool) -> l
         if line.error is not None:
             results.append(_result(line.custom_id, line.status, None, line.error))
             continue
-        out = next(outputs)
+        out = outputs[id(line)]
         failed = [c.error for c in out.outputs if c.finish_reason == "error"]
         if failed:
             results.append(_result(line.custom_id, 500, None, RequestError(failed[0], "generation_error")))
         else:
-            body = protocol.response_body(line.url, out, line.params, model, decode, line.echo)
+            body = protocol.response_body(line.url, out, line.top, model, decode, line.echo)
             results.append(_result(line.custom_id, 200, body, None))
     return results
+
+
+def _prompt(line: BatchLine) -> dict:
+    text, ids = line.prompt
+    return {"prompt": text, "prompt_token_ids": ids}
+
+
+def _generate(llm: LLM, lines: list[BatchLine], use_tqdm: bool) -> list[tuple[BatchLine, RequestOutput]]:
+    sampled = [line for line in lines if isinstance(line.params, SamplingParams)]
+    if not sampled:
+        return []
+    return list(zip(sampled, llm.generate([_prompt(line) for line in sampled], [line.params for line in sampled],
+                                          use_tqdm=use_tqdm)))
+
+
+def _beam_search(llm: LLM, lines: list[BatchLine]) -> list[tuple[BatchLine, RequestOutput]]:
+    """The use_beam_search lines, one LLM.beam_search per distinct BeamSearchParams, as RequestOutputs."""
+    groups: dict[str, list[BatchLine]] = {}
+    for line in lines:
+        if isinstance(line.params, BeamSearchParams):
+            groups.setdefault(repr(line.params), []).append(line)
+    tok, eos, done = llm.get_tokenizer(), set(llm.engine.eos_token_ids()), []
+    for group in groups.values():
+        params = group[0].params
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=params.skip_special_tokens)) if tok else str
+        for line, out in zip(group, llm.beam_search([_prompt(line) for line in group], params)):
+            text, ids = line.prompt
+            done.append((line, protocol.beam_request_output(out, text, ids, params, eos, decode, line.top is not None)))
+    return done
 
 
 def _result(custom_id, status: int, body: dict | None, error: RequestError | None) -> dict:
