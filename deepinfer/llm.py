@@ -132,17 +132,19 @@ class LLM:
             raise
         return [outputs[r] for r in request_ids]
 
-    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: prompts as generate takes them; one BeamSearchOutput per prompt, in order, its
-        beams best first (see engine/beam_search.py). Runs on a single engine (not data_parallel_size > 1 or
-        disaggregation), without speculative decoding or async scheduling."""
+        beams best first (see engine/beam_search.py); concurrency_limit: at most this many prompts searched at once
+        (the engine's max_num_seqs and KV pool bound it too). Runs on a single engine (not data_parallel_size > 1
+        or disaggregation), without speculative decoding or async scheduling."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search params must be BeamSearchParams, got {type(params).__name__}")
         search = BeamSearch(self.engine, params)
         prompts = self._prompt_list(prompts)
         ids = [self.prepare_request(i, prompt, search.sampling)[1] for i, prompt in enumerate(prompts)]
         try:
-            return search.run(ids)
+            return search.run(ids, concurrency_limit, use_tqdm)
         except BaseException:
             self.engine.abort_all()
             raise

@@ -90,7 +90,8 @@ def test_matches_vllm_algorithm_on_transformers(model, params):
 
 def test_waves_chunked_prefill_and_text_prompts(model):
     """Room for one prompt's beams at a time (KV blocks and max_num_seqs), prompts prefilled in chunks of 8 tokens
-    while others' beams wait: the same beams as one roomy engine; strings are tokenised as generate does."""
+    while others' beams wait, or one prompt at a time by concurrency_limit: the same beams as all at once in one
+    roomy engine; strings are tokenised as generate does."""
     path, hf = model
     params = BeamSearchParams(beam_width=3, max_tokens=6)
     roomy = LLM(path, dtype="float32", kv_cache_memory=32 << 20, block_size=4)
@@ -101,6 +102,12 @@ def test_waves_chunked_prefill_and_text_prompts(model):
     text = roomy.get_tokenizer().decode(PROMPTS[2])
     got = tight.beam_search(PROMPTS[:2] + [text], params)
     assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in want]
+    prefills = roomy.engine.num_steps["prefill"]
+    one_by_one = roomy.beam_search(PROMPTS, params, concurrency_limit=1, use_tqdm=True)
+    assert roomy.engine.num_steps["prefill"] - prefills == 3  # one prompt (one prefill) per wave
+    assert [[s.tokens for s in o.sequences] for o in one_by_one] == [[s.tokens for s in o.sequences] for o in want]
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        roomy.beam_search(PROMPTS, params, concurrency_limit=0)
     assert tight.engine.scheduler.num_preemptions == 0
     assert_engine_clean(tight)
 

@@ -15,6 +15,8 @@ Prompts run in waves that fit the engine at their longest (beam_width sequences 
 tokens, without counting shared blocks), so no beam is ever evicted and the beams of a prompt advance together."""
 from dataclasses import dataclass, field, replace
 
+from tqdm.auto import tqdm
+
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.outputs import BeamSearchOutput, BeamSearchSequence
 from deepinfer.sampling_params import BeamSearchParams, SamplingParams
@@ -50,13 +52,19 @@ class BeamSearch:
         self.eos = set() if params.ignore_eos else set(engine.eos_token_ids())
         self.sampling = beam_sampling(params)
 
-    def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
-        """prompts: token ids, each validated -> one BeamSearchOutput per prompt, in order."""
+    def run(self, prompts: list[list[int]], concurrency_limit: int | None = None,
+            use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """prompts: token ids, each validated -> one BeamSearchOutput per prompt, in order. concurrency_limit: at
+        most this many prompts searched at once (besides what the engine holds); use_tqdm: a bar of prompts done."""
         if self.engine.has_unfinished():
             raise RuntimeError("LLM.beam_search needs an idle engine")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"beam_search concurrency_limit must be None or an integer >= 1, "
+                             f"got {concurrency_limit!r}")
         outputs = []
-        for wave in self._waves(prompts):
-            outputs += self._run_wave(wave)
+        with tqdm(total=len(prompts), desc="Beam search", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            for wave in self._waves(prompts, concurrency_limit or len(prompts)):
+                outputs += self._run_wave(wave, bar)
         return outputs
 
     def _steps(self, prompt: list[int]) -> int:
@@ -75,21 +83,23 @@ class BeamSearch:
                              f"max_num_seqs={config.max_num_seqs}")
         return need
 
-    def _waves(self, prompts: list[list[int]]) -> list[list[tuple[int, list[int]]]]:
-        """(index, prompt) groups, in order, whose beams fit the engine's sequences and KV blocks at full length."""
+    def _waves(self, prompts: list[list[int]], limit: int) -> list[list[tuple[int, list[int]]]]:
+        """(index, prompt) groups, in order, of at most `limit` prompts whose beams fit the engine's sequences and KV
+        blocks at full length."""
         width, config = self.params.beam_width, self.engine.config
         num_blocks = self.engine.scheduler.block_manager.num_blocks
         waves, used = [[]], 0
         for i, prompt in enumerate(prompts):
             need = self.blocks_needed(i, prompt)
-            if waves[-1] and (used + need > num_blocks or width * (len(waves[-1]) + 1) > config.max_num_seqs):
+            full = len(waves[-1]) == limit or width * (len(waves[-1]) + 1) > config.max_num_seqs
+            if waves[-1] and (full or used + need > num_blocks):
                 waves.append([])
                 used = 0
             waves[-1].append((i, prompt))
             used += need
         return waves
 
-    def _run_wave(self, wave: list[tuple[int, list[int]]]) -> list[BeamSearchOutput]:
+    def _run_wave(self, wave: list[tuple[int, list[int]]], bar: tqdm) -> list[BeamSearchOutput]:
         searches = [self._start(i, prompt) for i, prompt in wave]
         live = list(searches)
         while live:
@@ -103,6 +113,7 @@ class BeamSearch:
                 if search.done == search.steps or not search.beams:
                     self.engine.abort_request(search.request_id)
                     live.remove(search)
+                    bar.update(1)
         return [self._output(search) for search in searches]
 
     def _start(self, index: int, prompt: list[int]) -> _Search:
