@@ -137,18 +137,23 @@ def forced_logprobs(llm, prompt: list[int], path: list[int], params: BeamSearchP
     return got
 
 
-def test_deepseek_v4_state_blocks_fork(tmp_path):
-    """V4: each fork copies the StateBlock (sliding window, compressor state) beside the partial block; the first
-    prompt's beams cross a compression window. The beams are transformers' (vLLM's algorithm on its logits); each
-    beam's logprobs are those its path gets decoded alone with no fork. (From position 24 on this checkpoint's decode
-    logprobs differ from transformers' by up to ~5e-2 per token, plain generate's too, so those are not compared.)"""
+@pytest.mark.parametrize("index_topk", [3, 64])
+def test_deepseek_v4_state_blocks_fork(tmp_path, index_topk):
+    """V4: each fork copies the StateBlock (sliding window, compressor and indexer state) beside the partial block;
+    the first prompt's beams cross compression windows. The beams are transformers' (vLLM's algorithm on its logits),
+    and each beam's logprobs those its path gets decoded alone with no fork. With the indexer keeping every entry
+    (index_topk 64) the logprobs are transformers' too; keeping 3, its top-k among exact-zero (ReLU) scores breaks
+    ties by the score row's length, and a decode step's row differs from a whole-text forward's (up to ~5e-2 on
+    this checkpoint, plain generate's too)."""
     path = tmp_path / "v4"
-    hf = make_checkpoint(path, seed=1)
+    hf = make_checkpoint(path, seed=1, index_topk=index_topk)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8)
     prompts = [prompt_of(21, 51), prompt_of(6, 52)]
     params = BeamSearchParams(beam_width=3, max_tokens=5)
     outs = llm.beam_search(prompts, params)
     eos = set(llm.engine.eos_token_ids())
+    if index_topk == 64:
+        check(outs, prompts, hf, params, eos)
     for out, prompt in zip(outs, prompts):
         assert [s.tokens for s in out.sequences] == [w[0] for w in reference(hf, prompt, params, eos)]
         for seq in out.sequences:
