@@ -112,6 +112,21 @@ def test_waves_chunked_prefill_and_text_prompts(model):
     assert_engine_clean(tight)
 
 
+def test_prefix_store_hits_give_the_same_beams(model, tmp_path):
+    """Prompts whose blocks come from the prefix store (second search) fork from the loaded blocks alike."""
+    path, hf = model
+    params = BeamSearchParams(beam_width=3, max_tokens=4)
+    llm = LLM(path, dtype="float32", kv_cache_memory=32 << 20, block_size=4, prefix_cache=str(tmp_path / "store"))
+    first = llm.beam_search(PROMPTS, params)
+    store = llm.engine.prefix_cache.store
+    hits = store.stats()["hits"]
+    again = llm.beam_search(PROMPTS, params)
+    assert store.stats()["hits"] > hits
+    assert [[s.tokens for s in o.sequences] for o in again] == [[s.tokens for s in o.sequences] for o in first]
+    check(again, PROMPTS, hf, params, set(llm.engine.eos_token_ids()))
+    assert_engine_clean(llm)
+
+
 def test_max_model_len_ends_the_search(model):
     """A prompt 3 tokens short of max_model_len searches 3 tokens, not max_tokens."""
     path, hf = model
@@ -137,17 +152,17 @@ def forced_logprobs(llm, prompt: list[int], path: list[int], params: BeamSearchP
     return got
 
 
-@pytest.mark.parametrize("index_topk", [3, 64])
-def test_deepseek_v4_state_blocks_fork(tmp_path, index_topk):
+@pytest.mark.parametrize("index_topk, kv_cache_dtype", [(3, "auto"), (64, "auto"), (3, "fp4")])
+def test_deepseek_v4_state_blocks_fork(tmp_path, index_topk, kv_cache_dtype):
     """V4: each fork copies the StateBlock (sliding window, compressor and indexer state) beside the partial block;
     the first prompt's beams cross compression windows. The beams are transformers' (vLLM's algorithm on its logits),
     and each beam's logprobs those its path gets decoded alone with no fork. With the indexer keeping every entry
     (index_topk 64) the logprobs are transformers' too; keeping 3, its top-k among exact-zero (ReLU) scores breaks
     ties by the score row's length, and a decode step's row differs from a whole-text forward's (up to ~5e-2 on
-    this checkpoint, plain generate's too)."""
+    this checkpoint, plain generate's too). fp4: the quantised pools' bytes and scales are copied as stored."""
     path = tmp_path / "v4"
     hf = make_checkpoint(path, seed=1, index_topk=index_topk)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
     prompts = [prompt_of(21, 51), prompt_of(6, 52)]
     params = BeamSearchParams(beam_width=3, max_tokens=5)
     outs = llm.beam_search(prompts, params)
@@ -155,7 +170,8 @@ def test_deepseek_v4_state_blocks_fork(tmp_path, index_topk):
     if index_topk == 64:
         check(outs, prompts, hf, params, eos)
     for out, prompt in zip(outs, prompts):
-        assert [s.tokens for s in out.sequences] == [w[0] for w in reference(hf, prompt, params, eos)]
+        if kv_cache_dtype == "auto":
+            assert [s.tokens for s in out.sequences] == [w[0] for w in reference(hf, prompt, params, eos)]
         for seq in out.sequences:
             gen = seq.tokens[len(prompt):]
             want = forced_logprobs(llm, prompt, gen, params)
