@@ -252,7 +252,7 @@ def test_beam_outputs_as_completions_drop_a_completing_eos():
                             BeamSearchSequence([1, 5, 7, 8], entries, -1.5, finish_reason="length")])
     for keep in (False, True):
         params = BeamSearchParams(2, 2, include_stop_str_in_output=keep)
-        req = beam_request_output(out, "p", [1, 5], params, {2}, lambda ids: ",".join(map(str, ids)), True)
+        req = beam_request_output(out, "p", [1, 5], params, lambda ids: ",".join(map(str, ids)), True)
         stopped, cut = req.outputs
         assert (stopped.text, stopped.token_ids, stopped.finish_reason, stopped.stop_reason) == \
             ("7", [7, 2] if keep else [7], "stop", 2)

@@ -2,7 +2,6 @@
 RequestOutputs back to OpenAI response bodies, with vLLM's extra sampling fields accepted as vLLM does."""
 import time
 import uuid
-
 from dataclasses import fields
 
 from deepinfer.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
@@ -90,14 +89,14 @@ def beam_search_params(url: str, body: dict, max_model_len: int) -> BeamSearchPa
 
 
 def beam_request_output(out: BeamSearchOutput, prompt: str | None, prompt_token_ids: list[int],
-                        params: BeamSearchParams, eos: set[int], decode_text, logprobs: bool) -> RequestOutput:
+                        params: BeamSearchParams, decode_text, logprobs: bool) -> RequestOutput:
     """A search's beams as a request's completions, as vLLM's server returns them: the generated tokens only, a
     completing EOS dropped from them unless include_stop_str_in_output (finish_reason "stop", stop_reason its id)
     and from the text in any case; decode_text(token ids) -> text; logprobs: keep each step's candidates."""
     completions = []
     for index, beam in enumerate(out.sequences):
         generated = beam.tokens[len(prompt_token_ids):]
-        stop = beam.finish_reason == "stop" and generated[-1] in eos
+        stop = beam.finish_reason == "stop"  # the search ends a beam so only on an EOS token
         text = decode_text(generated[:-1] if stop else generated)
         tokens = generated[:-1] if stop and not params.include_stop_str_in_output else generated
         completions.append(CompletionOutput(index, text, tokens, beam.cum_logprob,

@@ -154,13 +154,13 @@ def _beam_search(llm: LLM, lines: list[BatchLine]) -> list[tuple[BatchLine, Requ
     for line in lines:
         if isinstance(line.params, BeamSearchParams):
             groups.setdefault(repr(line.params), []).append(line)
-    tok, eos, done = llm.get_tokenizer(), set(llm.engine.eos_token_ids()), []
+    tok, done = llm.get_tokenizer(), []
     for group in groups.values():
         params = group[0].params
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=params.skip_special_tokens)) if tok else str
         for line, out in zip(group, llm.beam_search([_prompt(line) for line in group], params)):
             text, ids = line.prompt
-            done.append((line, protocol.beam_request_output(out, text, ids, params, eos, decode, line.top is not None)))
+            done.append((line, protocol.beam_request_output(out, text, ids, params, decode, line.top is not None)))
     return done
 
 
