@@ -227,6 +227,10 @@ def test_sampling_reaches_every_engine_that_draws_and_llamacpp_is_left_out(tmp_p
     """The config's sampling goes to each point's argv; llama.cpp's bench draws no tokens, so a sampled sweep leaves
     it out with that reason; bad sampling is refused; each engine turns it into its own sampler's arguments."""
     monkeypatch.setattr(paths, "PEERS_DIR", str(tmp_path))
+    (tmp_path / "bench").write_text("")  # llama.cpp built here, whether or not this machine has it
+    (tmp_path / "cpu_flags").write_text(" ".join(paths.cpu_flags()))
+    monkeypatch.setitem(sweep.PEER_FILES, "llamacpp", str(tmp_path / "bench"))
+    monkeypatch.setattr(sweep, "LLAMA_STAMP", str(tmp_path / "cpu_flags"))
     draw = {"temperature": 0.8, "top_p": 0.95}
     cfg = {"model": "m", "sampling": draw, "configurations": {"ours": {"engine": "deepinfer"},
                                                               "llama": {"engine": "llamacpp"}}}
