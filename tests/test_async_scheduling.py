@@ -66,11 +66,11 @@ def test_a_failed_forward_in_flight_leaves_the_engine_usable(engines, monkeypatc
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     real, calls = fast.engine.runner.execute, []
 
-    def failing(batch, sampling, prompt=None):
+    def failing(batch, sampling, *rest):
         calls.append(batch.num_seqs)
         if len(calls) == 6:
             raise RuntimeError("forward failed")
-        return real(batch, sampling, prompt)
+        return real(batch, sampling, *rest)
     monkeypatch.setattr(fast.engine.runner, "execute", failing)
     with pytest.raises(RuntimeError, match="forward failed"):
         fast.generate(prompts(4), params, use_tqdm=False)

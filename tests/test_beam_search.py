@@ -187,8 +187,8 @@ def test_a_failed_row_ends_only_its_beam(model, monkeypatch):
     llm = LLM(path, dtype="float32", kv_cache_memory=32 << 20, block_size=4)
     execute, calls = llm.engine._execute, []
 
-    def failing(batch, states, prompt=None):
-        out = execute(batch, states, prompt)
+    def failing(batch, states, *rest):
+        out = execute(batch, states, *rest)
         calls.append(batch.seq_ids)
         if len(calls) == 3:  # the second decode step, three beams in it
             assert len(batch.seq_ids) == 3

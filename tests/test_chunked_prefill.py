@@ -46,7 +46,7 @@ def test_threshold_and_speculation_and_preemption_keep_outputs(tiny_qwen3_moe, w
     got, _ = run(tiny_qwen3_moe, long_prefill_token_threshold=6, speculative={"method": "ngram", "num_draft_tokens": 3})
     assert got == whole["qwen"]
     # 24 blocks of 4 tokens: chunked prefills and decodes evict each other and recompute (in chunks again).
-    got, llm = run(tiny_qwen3_moe, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=96,
+    got, llm = run(tiny_qwen3_moe, max_num_batched_tokens=16, max_num_seqs=5, max_model_len=96,
                    kv_cache_memory=24 * LLM(tiny_qwen3_moe, **KW).engine.cache.spec.bytes_per_block)
     assert got == whole["qwen"] and llm.engine.scheduler.num_preemptions > 0
 

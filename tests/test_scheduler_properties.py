@@ -1,4 +1,4 @@
-"""Property tests: random add / schedule / process / finish / preempt / fork sequences through the C++
+"""Property tests: random add / schedule / process / finish / preempt / fork / sibling sequences through the C++
 core never leak or double-free blocks, keep reference counts consistent and lose no request."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,7 +20,7 @@ def make_scheduler(num_blocks, block_size, max_num_seqs, engine_type=_C.EngineTy
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 20), st.integers(0, 3)),
-    st.tuples(st.just("step"), st.integers(0, 10_000), st.booleans()),
+    st.tuples(st.just("step"), st.integers(0, 10_000), st.booleans(), st.integers(0, 2)),
     st.tuples(st.just("abort"), st.integers(0, 10_000), st.booleans()),
     st.tuples(st.just("fork"), st.integers(0, 10_000), st.integers(2, 50)),
 ), min_size=1, max_size=60)
@@ -31,8 +31,10 @@ ops = st.lists(st.one_of(
        max_num_seqs=st.integers(1, 6), budget=st.sampled_from([1, 5, 16, 64]), threshold=st.sampled_from([0, 3]))
 def test_random_traces_keep_invariants(ops, num_blocks, block_size, max_num_seqs, budget, threshold):
     """Chunked prefill included: budgets below the prompt lengths, and a per-sequence cap; prefix-store hits (whole
-    cached blocks short of the last prompt token); and beam-search forks (a fork the sequence's state or the pool
-    does not allow is refused, changing nothing), whose shared blocks then meet preemption and finishes."""
+    cached blocks short of the last prompt token); beam-search forks (a fork the sequence's state or the pool
+    does not allow is refused, changing nothing) and parallel sampling's siblings (started from a prompt computed in
+    the step, or waiting to recompute where there is no room), whose shared blocks then meet preemption and
+    finishes."""
     sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget=budget, threshold=threshold)
     live, finished, next_id = {}, {}, 0
     for op in ops:
@@ -41,7 +43,8 @@ def test_random_traces_keep_invariants(ops, num_blocks, block_size, max_num_seqs
             sched.add_sequence(next_id, [7] * op[1], _C.SamplingLimits(op[2]), cached)
             live[next_id], next_id = op[2], next_id + 1
         elif op[0] == "step":
-            _step(sched, live, finished, eos_seed=op[1] if op[2] else None)
+            _step(sched, live, finished, eos_seed=op[1] if op[2] else None, siblings=op[3], next_id=next_id)
+            next_id = max([next_id] + [s + 1 for s in list(live) + list(finished)])
         elif op[0] == "fork" and live:
             parent = sorted(live)[op[1] % len(live)]
             before = (sched.block_manager.num_free_blocks, sched.num_running, sched.num_free_state_slots)
@@ -68,7 +71,9 @@ def test_random_traces_keep_invariants(ops, num_blocks, block_size, max_num_seqs
     sched.check_invariants()
 
 
-def _step(sched, live, finished, eos_seed):
+def _step(sched, live, finished, eos_seed, siblings=0, next_id=0):
+    """One schedule and process; siblings: how many siblings each prompt completed in the step gets, as ids from
+    next_id on."""
     batch = sched.schedule()
     if batch.type == _C.StepType.IDLE:
         assert not sched.has_unfinished()
@@ -77,9 +82,19 @@ def _step(sched, live, finished, eos_seed):
     assert len(set(batch.seq_ids)) == len(batch.seq_ids) <= sched.num_running
     for s, drawn, ctx in zip(batch.seq_ids, batch.sampled, batch.context_lens):
         assert drawn == (ctx == sched.sequence(s).num_tokens), "a token is drawn exactly at a sequence's end"
-    tokens = [EOS if eos_seed is not None and (eos_seed + s) % 3 == 0 else 9
-              for s, drawn in zip(batch.seq_ids, batch.sampled) if drawn]
-    for out in sched.process(batch, tokens):
+
+    def draw(s):
+        return EOS if eos_seed is not None and (eos_seed + s) % 3 == 0 else 9
+
+    outs = []
+    for s, drawn in zip(batch.seq_ids, batch.sampled):
+        for _ in range(siblings if drawn and sched.sequence(s).num_output_tokens == 0 else 0):
+            out, _ = sched.add_sibling(s, next_id, draw(next_id))
+            assert out.seq_id == next_id and list(out.tokens) == [draw(next_id)]
+            live[next_id], next_id = live[s], next_id + 1
+            outs.append(out)
+    tokens = [draw(s) for s, drawn in zip(batch.seq_ids, batch.sampled) if drawn]
+    for out in sched.process(batch, tokens) + outs:
         if out.finished:
             assert out.seq_id not in finished, "a request finished twice"
             finished[out.seq_id] = out.reason

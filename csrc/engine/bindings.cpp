@@ -17,6 +17,11 @@ static py::array_t<T> to_numpy(const std::vector<T>& v) {
 
 void bind_cpu_kernels(py::module_& m);
 
+// (src block, dst block, src slot, dst slot): what CacheEngine copies for a forked sequence.
+static py::tuple copy_tuple(const ForkCopy& c) {
+  return py::make_tuple(c.src_block, c.dst_block, c.src_slot, c.dst_slot);
+}
+
 // [R, k] confidences (numpy or nested lists) -> rows; copying in C++ is far cheaper than pybind11's
 // per-element conversion of nested lists.
 static std::vector<std::vector<double>> rows_of(const py::array_t<double>& conf) {
@@ -155,9 +160,12 @@ PYBIND11_MODULE(_C, m) {
       .def("finish", &Scheduler::finish)
       .def("release", &Scheduler::release)
       .def("fork", [](Scheduler& s, int64_t parent_id, int64_t child_id, int32_t last_token) {
-        ForkCopy c = s.fork(parent_id, child_id, last_token);
-        return py::make_tuple(c.src_block, c.dst_block, c.src_slot, c.dst_slot);
+        return copy_tuple(s.fork(parent_id, child_id, last_token));
       }, py::arg("parent_id"), py::arg("child_id"), py::arg("last_token"))
+      .def("add_sibling", [](Scheduler& s, int64_t parent_id, int64_t child_id, int32_t token) {
+        auto [res, copy] = s.add_sibling(parent_id, child_id, token);
+        return py::make_tuple(res, copy_tuple(copy));
+      }, py::arg("parent_id"), py::arg("child_id"), py::arg("token"))
       .def("set_last_token", &Scheduler::set_last_token, py::arg("seq_id"), py::arg("token"))
       .def("sequence", &Scheduler::sequence, py::return_value_policy::copy)
       .def("has_unfinished", &Scheduler::has_unfinished)

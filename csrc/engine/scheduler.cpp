@@ -468,35 +468,80 @@ Sequence* Scheduler::drawn_between_steps(int64_t seq_id) const {
   return seq;
 }
 
-ForkCopy Scheduler::fork(int64_t parent_id, int64_t child_id, int32_t last_token) {
-  const Sequence* parent = drawn_between_steps(parent_id);
+std::unique_ptr<Sequence> Scheduler::new_child(const Sequence& parent, int64_t child_id) {
   DI_REQUIRE(!seqs_.count(child_id), "sequence " + std::to_string(child_id) + " already exists");
-  const int bs = config_.block_size, full = parent->num_computed_tokens / bs;
-  const bool partial = parent->num_computed_tokens % bs != 0;
-  DI_REQUIRE(static_cast<int>(running_.size()) < config_.max_num_seqs && !free_slots_.empty() &&
-                 blocks_.can_allocate(partial ? 1 : 0),
-             "no room to fork sequence " + std::to_string(parent_id) + " (max_num_seqs, state slots or KV blocks)");
-  DI_CHECK(static_cast<int>(parent->block_table.size()) >= full + (partial ? 1 : 0), "parent's blocks short");
-  auto child = std::make_unique<Sequence>(*parent);
+  auto child = std::make_unique<Sequence>(parent);
   child->seq_id = child_id;
   child->arrival = next_arrival_++;
-  child->token_ids.back() = last_token;
   child->schedule_cnt = child->process_cnt = 0;
   child->num_preemptions = 0;
-  child->block_table.assign(parent->block_table.begin(), parent->block_table.begin() + full);
+  child->status = SequenceStatus::WAITING;
+  child->block_table.clear();
+  child->state_slot = -1;
+  child->draft_tokens.clear();
+  return child;
+}
+
+bool Scheduler::share_computed(const Sequence& parent, Sequence* child, ForkCopy& copy) {
+  const int bs = config_.block_size, full = parent.num_computed_tokens / bs;
+  const bool partial = parent.num_computed_tokens % bs != 0;
+  if (static_cast<int>(running_.size()) >= config_.max_num_seqs || free_slots_.empty() ||
+      !blocks_.can_allocate(partial ? 1 : 0))
+    return false;
+  DI_CHECK(static_cast<int>(parent.block_table.size()) >= full + (partial ? 1 : 0), "parent's blocks short");
+  child->num_computed_tokens = parent.num_computed_tokens;
+  child->block_table.assign(parent.block_table.begin(), parent.block_table.begin() + full);
   blocks_.incref(child->block_table);
-  ForkCopy copy;
   if (partial) {
-    copy.src_block = parent->block_table[full];
+    copy.src_block = parent.block_table[full];
     copy.dst_block = blocks_.allocate(1)[0];
     child->block_table.push_back(copy.dst_block);
   }
-  copy.src_slot = parent->state_slot;
+  copy.src_slot = parent.state_slot;
   copy.dst_slot = child->state_slot = free_slots_.back();
   free_slots_.pop_back();
-  running_.push_back(child.get());
+  child->status = SequenceStatus::RUNNING;
+  running_.push_back(child);
+  return true;
+}
+
+ForkCopy Scheduler::fork(int64_t parent_id, int64_t child_id, int32_t last_token) {
+  const Sequence* parent = drawn_between_steps(parent_id);
+  auto child = new_child(*parent, child_id);
+  child->token_ids.back() = last_token;
+  ForkCopy copy;
+  DI_REQUIRE(share_computed(*parent, child.get(), copy),
+             "no room to fork sequence " + std::to_string(parent_id) + " (max_num_seqs, state slots or KV blocks)");
   seqs_.emplace(child_id, std::move(child));
   return copy;
+}
+
+std::pair<StepOutput, ForkCopy> Scheduler::add_sibling(int64_t parent_id, int64_t child_id, int32_t token) {
+  const Sequence* parent = lookup(parent_id);
+  DI_REQUIRE(config_.engine_type == EngineType::NORMAL && parent->status == SequenceStatus::RUNNING &&
+                 parent->num_output_tokens() == 0 && parent->num_computed_tokens == parent->num_tokens() &&
+                 parent->schedule_cnt == parent->process_cnt + 1,
+             "sequence " + std::to_string(parent_id) + " has no prompt computed in a step waiting for process()");
+  auto child = new_child(*parent, child_id);
+  StepOutput res{child_id, {}, false, FinishReason::NONE, -1};
+  ForkCopy copy;
+  if (token < 0) {
+    child->finish_reason = FinishReason::ERROR;
+    res.finished = true;
+  } else {
+    res.tokens.push_back(token);
+    res.finished = append_token(child.get(), token);
+  }
+  res.reason = child->finish_reason;
+  res.stop_token = child->stop_token;
+  if (res.finished) return {res, copy};  // ended by its first token: it never needs KV
+  if (!share_computed(*parent, child.get(), copy)) {  // waits to recompute, as an evicted sequence does
+    child->num_computed_tokens = 0;
+    waiting_.push_front(child.get());
+  }
+  seqs_.emplace(child_id, std::move(child));
+  DI_CHECK((check_invariants(), true), "");
+  return {res, copy};
 }
 
 void Scheduler::set_last_token(int64_t seq_id, int32_t token) { drawn_between_steps(seq_id)->token_ids.back() = token; }

@@ -5,6 +5,7 @@
 #include <deque>
 #include <memory>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "engine/block_manager.h"
@@ -113,6 +114,13 @@ class Scheduler {
   // child_id too, with last_token in that token's place. The child shares the parent's full KV blocks; the
   // partial block after them and the state slot are its own, and the caller copies the parent's into them.
   ForkCopy fork(int64_t parent_id, int64_t child_id, int32_t last_token);
+  // Parallel sampling (n > 1), after the forward of the step that computes parent_id's prompt and before its
+  // process(): child_id is another sample of the same prompt, `token` its first output (-1: a failed row). It
+  // shares the parent's full prompt blocks, its partial block and state slot its own (ForkCopy, for the caller to
+  // copy before process()); with max_num_seqs, slots or blocks short it waits to recompute, as an evicted sequence
+  // does. A first token that ends it (EOS, stop token, length, -1) ends it here, holding nothing: the StepOutput
+  // says so, as process() would have.
+  std::pair<StepOutput, ForkCopy> add_sibling(int64_t parent_id, int64_t child_id, int32_t token);
   // Beam search, between steps: replaces a running sequence's newest token (drawn, not yet computed).
   void set_last_token(int64_t seq_id, int32_t token);
 
@@ -143,6 +151,12 @@ class Scheduler {
   void prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs, const std::vector<int>& chunks,
                       bool ahead = false);
   bool append_token(Sequence* seq, int32_t token);
+  // A copy of parent as child_id, waiting, holding no blocks or slot and no step (fork, add_sibling).
+  std::unique_ptr<Sequence> new_child(const Sequence& parent, int64_t child_id);
+  // Gives child (not yet in seqs_) parent's computed KV and runs it: the full blocks shared, the partial block and
+  // a state slot its own, to be copied from the parent's (copy). False, taking nothing, where max_num_seqs, slots
+  // or blocks are short.
+  bool share_computed(const Sequence& parent, Sequence* child, ForkCopy& copy);
   // The running sequence seq_id between steps, its newest token drawn and not yet computed (fork, set_last_token).
   Sequence* drawn_between_steps(int64_t seq_id) const;
   void remove_running(Sequence* seq);

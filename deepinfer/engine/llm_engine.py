@@ -74,6 +74,8 @@ class Request:
     # SamplingParams.prompt_logprobs: entry p scores prompt token p (None for p = 0), appended as the first child's
     # prefill chunks reach them; None when not wanted
     prompt_logprobs: list | None = None
+    # parallel sampling: the children after the first, waiting for its prompt's KV (LLMEngine._add_siblings)
+    siblings: list[SeqState] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -121,6 +123,7 @@ class LLMEngine:
             self.eplb.recorder.discard_step()
         self.seqs: dict[int, SeqState] = {}
         self.requests: dict[str, Request] = {}
+        self._parents: set[int] = set()  # sequences whose request's other children wait for their prompt's KV
         self.handoffs: list[Handoff] = []
         self.state_transfer = StateTransfer(self.model, spec, config.block_size, config.state_transfer)
         self.prefix_cache = PrefixCache.from_config(config, spec) if config.prefix_cache else None
@@ -240,19 +243,25 @@ class LLMEngine:
         scored = params.prompt_logprobs is not None
         blocks, last_hash = self.prefix_cache.lookup(prompt_token_ids) if self.prefix_cache and not scored \
             else ([], None)
+        states = [SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
+                           logits_ctx=logits_ctx, grammar=self._grammar(params, []),
+                           cached_prefix=(blocks, last_hash) if blocks else None, beam=beam)  # children share blocks
+                  for index, seed in children]
+        # Children after the first fork from its computed prompt (_add_siblings) where the engine can copy KV
+        # between sequences: speculation's drafter ring holds the first child's first token, not theirs.
+        siblings = states[1:] if self.spec is None and self.config.engine_type == "normal" else []
         seq_ids = []
-        for index, seed in children:
+        for state in states[:len(states) - len(siblings)]:
             seq_id = next(self._seq_counter)
-            state = SeqState(request_id, index, params, seed, detokenizer=self._detokenizer(params),
-                             logits_ctx=logits_ctx, grammar=self._grammar(params, []),
-                             cached_prefix=(blocks, last_hash) if blocks else None, beam=beam)  # children share blocks
             # only then is it the engine's
             self.scheduler.add_sequence(seq_id, prompt_token_ids, limits, len(blocks) * self.config.block_size)
             self.seqs[seq_id] = state
             seq_ids.append(seq_id)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seq_ids, metrics,
-                                            [None] if scored else None)
+                                            [None] if scored else None, siblings)
+        if siblings:
+            self._parents.add(seq_ids[0])
 
     def sequence_seed(self, request_id: str, params: SamplingParams, index: int) -> int:
         """The sampling seed of child `index` of a request, as an int64: the request's seed plus the index,
@@ -303,7 +312,7 @@ class LLMEngine:
             if want == _C.StepType.IDLE and self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler has unfinished sequences but could schedule none")
             return [], 0
-        if self._pool is not None and batch.type == _C.StepType.DECODE:
+        if self._pool is not None and batch.type == _C.StepType.DECODE and not self._pending_siblings(batch.seq_ids):
             self._launch(batch)
             return self._step_in_flight(want)
         return self._run_step(batch, want)
@@ -317,12 +326,14 @@ class LLMEngine:
         # An unsampled row is a prefill chunk short of its prompt's end: nothing is drawn for it. Every row of a
         # decode step is sampled (no numpy passes for them: a batch-1 step's Python runs on cold caches).
         if batch.type == _C.StepType.DECODE:
-            states, firsts = [self.seqs[s] for s in batch.seq_ids], range(batch.num_seqs)
+            drawn, firsts = batch.seq_ids, range(batch.num_seqs)
         else:
             sampled = batch.sampled.astype(bool)
-            states = [self.seqs[s] for s, drawn in zip(batch.seq_ids, sampled) if drawn]
+            drawn = [s for s, d in zip(batch.seq_ids, sampled) if d]
             firsts = (sampled.cumsum() - 1).tolist()
-        steps = self._loop_steps(batch, states) if want == _C.StepType.IDLE else 1
+        states = [self.seqs[s] for s in drawn]
+        siblings = self._pending_siblings(drawn)
+        steps = self._loop_steps(batch, states) if want == _C.StepType.IDLE and not siblings else 1
         ran = self._run_decode_steps(batch, states, steps) if steps > 1 else None
         if ran is not None:
             return ran
@@ -335,12 +346,16 @@ class LLMEngine:
             results = self.scheduler.process_multi(batch, tokens)
         else:
             scored = self._prompt_rows(batch) if batch.type == _C.StepType.PREFILL else None
-            out = self._execute(batch, states, scored and scored[0])
+            out = self._execute(batch, states + [state for _, _, state in siblings], scored and scored[0],
+                                [row for row, _, _ in siblings])
             if scored:
                 self._record_prompt_logprobs(*scored, out.prompt)
             if batch.type == _C.StepType.PREFILL and self.prefix_cache is not None:
                 self.prefix_cache.save_prompts(self, batch)
-            results = self.scheduler.process(batch, out.tokens.tolist())
+            if siblings:
+                results, firsts = self._add_siblings(batch, out.tokens.tolist(), siblings, firsts)
+            else:
+                results = self.scheduler.process(batch, out.tokens.tolist())
         if self.spec is not None:
             self.spec.after_step(self, batch, results)
         if self.eplb is not None:
@@ -448,21 +463,51 @@ class LLMEngine:
                     if state is not None and self._apply(first, res, out, state)}
         return [self._finish_request(r) for r in finished if self._request_done(r)]
 
-    def _execute(self, batch, states: list[SeqState], prompt: tuple | None = None) -> SamplerOutput:
+    def _execute(self, batch, states: list[SeqState], prompt: tuple | None = None,
+                 siblings: list[int] = ()) -> SamplerOutput:
         """The forward and the draw of the sampled rows' states. A decode step whose rows are all plain draws tries
         the runner's one-call step first, which builds no tensors and runs no Python sampler (~0.3 ms of a batch-1
         step's Python greedy, ~1 ms sampled, on caches the weight stream has just emptied); a prefill's torch ops
         run on all threads (platform.set_threads). prompt: a prefill's rows that score prompt tokens
-        (ModelRunner.execute)."""
-        if batch.type == _C.StepType.DECODE and all(s.plain_draw for s in states):
+        (ModelRunner.execute); siblings: for each state after the sampled rows', the row it draws from too."""
+        if batch.type == _C.StepType.DECODE and not siblings and all(s.plain_draw for s in states):
             out = self.runner.draw(batch, self._plain_sampling(states), _num_logprobs(states))
             if out is not None:
                 return out
         sampling = self._sampling_batch(states)
         if batch.type != _C.StepType.PREFILL:
-            return self.runner.execute(batch, sampling)
+            return self.runner.execute(batch, sampling, None, siblings)
         with platform.torch_parallel():
-            return self.runner.execute(batch, sampling, prompt)
+            return self.runner.execute(batch, sampling, prompt, siblings)
+
+    # ---- parallel sampling: a request's children after the first start from its computed prompt -----------------
+
+    def _pending_siblings(self, drawn) -> list[tuple[int, int, SeqState]]:
+        """(row in the step's draws, parent seq id, sibling) for every waiting sibling of the sequences drawn (in
+        draw order): a parent's prompt ends in this step, a prefill's or, its last token left, a decode's."""
+        if not self._parents or self._parents.isdisjoint(drawn):
+            return []
+        return [(row, seq_id, state) for row, seq_id in enumerate(drawn) if seq_id in self._parents
+                for state in self.requests[self.seqs[seq_id].request_id].siblings]
+
+    def _add_siblings(self, batch, tokens: list[int], siblings: list, firsts: list[int]) -> tuple[list, list[int]]:
+        """Before process(batch): each sibling becomes a sequence with its drawn token (tokens: the parents' draws,
+        then the siblings'), its KV copied from its parent's. Returns the step's results, the siblings' after the
+        batch's, and each result's first row in the draws."""
+        drawn = len(tokens) - len(siblings)
+        added = [self._add_sibling(parent, state, token) for (_, parent, state), token in zip(siblings, tokens[drawn:])]
+        for _, parent, _ in siblings:
+            self.requests[self.seqs[parent].request_id].siblings = []
+            self._parents.discard(parent)
+        return self.scheduler.process(batch, tokens[:drawn]) + added, list(firsts) + list(range(drawn, len(tokens)))
+
+    def _add_sibling(self, parent: int, state: SeqState, token: int):
+        seq_id = next(self._seq_counter)
+        res, copy = self.scheduler.add_sibling(parent, seq_id, token)
+        self._copy_kv(*copy)
+        self.seqs[seq_id] = state
+        self.requests[state.request_id].seq_ids.append(seq_id)
+        return res
 
     # ---- prompt logprobs ----------------------------------------------------------------------------------------
 
@@ -658,12 +703,14 @@ class LLMEngine:
                 pass  # already gone from the scheduler (finished in C++ this step)
         self.seqs.clear()
         self.requests.clear()
+        self._parents.clear()
 
     def abort_request(self, request_id: str) -> bool:
         """Ends a request's sequences (vLLM's abort_request); False if it is not running here."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self._parents.difference_update(req.seq_ids)
         for seq_id in req.seq_ids:
             if self.seqs.pop(seq_id, None) is not None:
                 try:
@@ -678,9 +725,7 @@ class LLMEngine:
         """A new sequence of seq_id's request: seq_id with `token` in place of its newest token, sharing its full KV
         blocks (the partial one and the StateBlock copied). Returns the new sequence's id."""
         child = next(self._seq_counter)
-        src_block, dst_block, src_slot, dst_slot = self.scheduler.fork(seq_id, child, token)
-        self.cache.load([dst_block] if dst_block >= 0 else [], dst_slot,
-                        self.cache.export([src_block] if src_block >= 0 else [], src_slot))
+        self._copy_kv(*self.scheduler.fork(seq_id, child, token))
         parent = self.seqs[seq_id]
         req = self.requests[parent.request_id]
         self.seqs[child] = replace(parent, index=max(self.seqs[s].index for s in req.seq_ids) + 1,
@@ -689,6 +734,12 @@ class LLMEngine:
         req.seq_ids.append(child)
         self._retarget(self.seqs[child], token)
         return child
+
+    def _copy_kv(self, src_block: int, dst_block: int, src_slot: int, dst_slot: int) -> None:
+        """A forked sequence's own KV: its parent's partial block and StateBlock copied (-1: none)."""
+        if dst_slot >= 0:
+            self.cache.load([dst_block] if dst_block >= 0 else [], dst_slot,
+                            self.cache.export([src_block] if src_block >= 0 else [], src_slot))
 
     def set_last_token(self, seq_id: int, token: int) -> None:
         """Replaces seq_id's newest token (drawn, not yet computed) by `token`."""

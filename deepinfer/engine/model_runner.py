@@ -67,15 +67,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     @cpu_ops.scratch_kept()
-    def execute(self, batch, sampling: SamplingBatch, prompt: tuple | None = None) -> SamplerOutput:
+    def execute(self, batch, sampling: SamplingBatch, prompt: tuple | None = None,
+                siblings: list[int] = ()) -> SamplerOutput:
         """The step's forward and draw. prompt: (rows [P], targets [P] int64, n) of a prefill: the logits at those
-        rows score the target tokens (the next prompt tokens), token_logprobs' results in the output's `prompt`."""
+        rows score the target tokens (the next prompt tokens), token_logprobs' results in the output's `prompt`.
+        siblings [X]: sampled rows drawn once more each (parallel sampling), sampling's rows S.. S + X - 1."""
         input_ids, meta = self.prepare(batch)
         if prompt is None:
-            return self.sampler(self._logits(batch, input_ids, meta, _decodes_all(batch, meta)), sampling)
-        hidden = self.model(input_ids, meta)
-        out = self.sampler(self._sampled_logits(batch, hidden, meta), sampling)
-        return dataclasses.replace(out, prompt=self._score(hidden, *prompt))
+            logits, hidden = self._logits(batch, input_ids, meta, _decodes_all(batch, meta)), None
+        else:
+            hidden = self.model(input_ids, meta)
+            logits = self._sampled_logits(batch, hidden, meta)
+        if siblings:
+            logits = torch.cat([logits, logits[torch.tensor(siblings)]])
+        out = self.sampler(logits, sampling)
+        return out if prompt is None else dataclasses.replace(out, prompt=self._score(hidden, *prompt))
 
     def _score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, n: int) -> tuple:
         """token_logprobs of targets [P] under the logits at hidden rows [P], SCORE_ROWS rows of logits at a time."""
