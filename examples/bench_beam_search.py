@@ -10,19 +10,16 @@ model's candidates lie close: near-ties may go either way). Writes the table int
                                          [--dtype bfloat16]
 """
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 
 from deepinfer import LLM, BeamSearchParams, platform
 from deepinfer.docs import write_section
 from examples.make_medium_qwen3_moe import make
-from examples.peers.paths import VLLM_PYTHON
-from examples.peers.vllm_peer import ENV
+from examples.peers.vllm_peer import run_script
 
 CONTEXT, WIDTH, NEW = 64, 4, 32
 
@@ -47,13 +44,7 @@ def with_tokenizer(model_dir: str, out_dir: str) -> str:
 def vllm_search(model_dir: str, prompts: int, threads: int, block_size: int, dtype: str) -> dict:
     """vllm_beam_search.py's JSON ({"seconds", "prompts", "beams"}), run in the vllm venv on `threads` cores with KV
     blocks of block_size tokens (0: vLLM's default)."""
-    env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "vllm_beam_search.py")
-    args = [model_dir, prompts, CONTEXT, WIDTH, NEW, block_size, dtype]
-    run = subprocess.run([VLLM_PYTHON, script, *map(str, args)], env=env, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise RuntimeError(f"vllm beam search failed: {run.stderr.strip().splitlines()[-3:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_script("vllm_beam_search.py", [model_dir, prompts, CONTEXT, WIDTH, NEW, block_size, dtype], threads)
 
 
 def deepinfer_search(llm: LLM, prompts: list[list[int]]) -> dict:
