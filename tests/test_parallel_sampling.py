@@ -140,3 +140,21 @@ def test_a_prompt_whose_last_token_decodes_forks_there(tiny_qwen3_moe, qwen, mon
     same_completions(outs[1].outputs, other)
     assert sum(counted) == len(PROMPTS[2]) + len(PROMPTS[0]) - 1
     assert llm.engine.num_steps["ahead"] > 0 and not llm.engine._parents
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp4"])
+def test_deepseek_v4_siblings_copy_the_state_block(tmp_path, kv_cache_dtype):
+    """V4: a sibling's StateBlock (sliding window, compressor and indexer state at the prompt's end) is its parent's,
+    copied; the prompts end inside compression windows, and the completions cross more. fp4: the quantised pools'
+    bytes and scales are copied as stored."""
+    from test_deepseek_v4 import make_checkpoint, prompt_of
+
+    make_checkpoint(tmp_path / "v4", seed=1)
+    llm = LLM(str(tmp_path / "v4"), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8,
+              kv_cache_dtype=kv_cache_dtype)
+    prompts = [prompt_of(21, 51), prompt_of(6, 52)]
+    want = alone(llm, prompts, [30, 31, 32], max_tokens=12)
+    outs = llm.generate(prompts, sampled(30, n=3, max_tokens=12), use_tqdm=False)
+    for out, ref in zip(outs, want):
+        same_completions(out.outputs, ref)
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.cache.num_blocks
