@@ -177,8 +177,9 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
     gemm_columns(mode, isa, xp, xbp, xk, xt.data(), wide, w, out, M, K, N, n0, n1);
     if (done) done(n0, n1);
   };
-  // Split N across threads only when each gets enough work to beat the wake-up cost.
-  const int threads = threads_for(N * K, num_threads, 1 << 20);
+  // Split N across threads only when each gets enough work to beat the wake-up cost: 1M weights to stream, or
+  // 4M multiply-adds (the rows of a prefill or a batch make a smaller weight worth splitting too).
+  const int threads = threads_for(std::max(4 * N * K, M * N * K), num_threads, 1 << 22);
   const int64_t tasks = threads == 1 || M <= STREAM_MAX_ROWS ? threads : threads * COLUMN_TASKS_PER_THREAD;
   int64_t chunk = (N + tasks - 1) / tasks;
   if (done) chunk = std::min(chunk, std::max<int64_t>(1, DONE_CHUNK_BYTES / (M * sizeof(float))));
