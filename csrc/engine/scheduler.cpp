@@ -345,6 +345,17 @@ bool Scheduler::append_token(Sequence* seq, int32_t token) {
   return false;
 }
 
+void Scheduler::apply_tokens(Sequence* seq, const std::vector<int32_t>& tokens, StepOutput& res) {
+  if (tokens[0] < 0) {
+    seq->finish_reason = FinishReason::ERROR;
+    res.finished = true;
+  }
+  for (size_t j = 0; j < tokens.size() && !res.finished; ++j) {
+    res.tokens.push_back(tokens[j]);
+    res.finished = append_token(seq, tokens[j]);
+  }
+}
+
 std::vector<StepOutput> Scheduler::process(const ScheduledBatch& batch,
                                            const std::vector<int32_t>& tokens) {
   std::vector<std::vector<int32_t>> per_seq;
@@ -383,14 +394,7 @@ std::vector<StepOutput> Scheduler::process_multi(const ScheduledBatch& batch,
     }
     DI_REQUIRE(!tokens[i].empty() && static_cast<int>(tokens[i].size()) <= drafts + 1,
                "sequence " + std::to_string(seq->seq_id) + ": between 1 and drafts + 1 tokens per step");
-    if (tokens[i][0] < 0) {
-      seq->finish_reason = FinishReason::ERROR;
-      res.finished = true;
-    }
-    for (size_t j = 0; j < tokens[i].size() && !res.finished; ++j) {
-      res.tokens.push_back(tokens[i][j]);
-      res.finished = append_token(seq, tokens[i][j]);
-    }
+    apply_tokens(seq, tokens[i], res);
     if (!res.finished && !ahead) {
       // KV exists for every token but the newest; rejected drafts' slots are simply overwritten later.
       seq->num_computed_tokens = seq->num_tokens() - 1;
@@ -525,13 +529,7 @@ std::pair<StepOutput, ForkCopy> Scheduler::add_sibling(int64_t parent_id, int64_
   auto child = new_child(*parent, child_id);
   StepOutput res{child_id, {}, false, FinishReason::NONE, -1};
   ForkCopy copy;
-  if (token < 0) {
-    child->finish_reason = FinishReason::ERROR;
-    res.finished = true;
-  } else {
-    res.tokens.push_back(token);
-    res.finished = append_token(child.get(), token);
-  }
+  apply_tokens(child.get(), {token}, res);
   res.reason = child->finish_reason;
   res.stop_token = child->stop_token;
   if (res.finished) return {res, copy};  // ended by its first token: it never needs KV

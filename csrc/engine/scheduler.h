@@ -151,6 +151,8 @@ class Scheduler {
   void prepare_inputs(ScheduledBatch& batch, const std::vector<Sequence*>& seqs, const std::vector<int>& chunks,
                       bool ahead = false);
   bool append_token(Sequence* seq, int32_t token);
+  // A step's tokens for seq ({-1, ...}: its row failed, an ERROR), appended until one ends it, into res.
+  void apply_tokens(Sequence* seq, const std::vector<int32_t>& tokens, StepOutput& res);
   // A copy of parent as child_id, waiting, holding no blocks or slot and no step (fork, add_sibling).
   std::unique_ptr<Sequence> new_child(const Sequence& parent, int64_t child_id);
   // Gives child (not yet in seqs_) parent's computed KV and runs it: the full blocks shared, the partial block and
