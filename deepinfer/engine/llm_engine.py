@@ -464,21 +464,21 @@ class LLMEngine:
         return [self._finish_request(r) for r in finished if self._request_done(r)]
 
     def _execute(self, batch, states: list[SeqState], prompt: tuple | None = None,
-                 siblings: list[int] = ()) -> SamplerOutput:
+                 sibling_rows: list[int] = ()) -> SamplerOutput:
         """The forward and the draw of the sampled rows' states. A decode step whose rows are all plain draws tries
         the runner's one-call step first, which builds no tensors and runs no Python sampler (~0.3 ms of a batch-1
         step's Python greedy, ~1 ms sampled, on caches the weight stream has just emptied); a prefill's torch ops
         run on all threads (platform.set_threads). prompt: a prefill's rows that score prompt tokens
-        (ModelRunner.execute); siblings: for each state after the sampled rows', the row it draws from too."""
-        if batch.type == _C.StepType.DECODE and not siblings and all(s.plain_draw for s in states):
+        (ModelRunner.execute); sibling_rows: for each state after the sampled rows', the row it draws from too."""
+        if batch.type == _C.StepType.DECODE and not sibling_rows and all(s.plain_draw for s in states):
             out = self.runner.draw(batch, self._plain_sampling(states), _num_logprobs(states))
             if out is not None:
                 return out
         sampling = self._sampling_batch(states)
         if batch.type != _C.StepType.PREFILL:
-            return self.runner.execute(batch, sampling, None, siblings)
+            return self.runner.execute(batch, sampling, None, sibling_rows)
         with platform.torch_parallel():
-            return self.runner.execute(batch, sampling, prompt, siblings)
+            return self.runner.execute(batch, sampling, prompt, sibling_rows)
 
     # ---- parallel sampling: a request's children after the first start from its computed prompt -----------------
 

@@ -68,18 +68,18 @@ class ModelRunner:
     @torch.inference_mode()
     @cpu_ops.scratch_kept()
     def execute(self, batch, sampling: SamplingBatch, prompt: tuple | None = None,
-                siblings: list[int] = ()) -> SamplerOutput:
+                sibling_rows: list[int] = ()) -> SamplerOutput:
         """The step's forward and draw. prompt: (rows [P], targets [P] int64, n) of a prefill: the logits at those
         rows score the target tokens (the next prompt tokens), token_logprobs' results in the output's `prompt`.
-        siblings [X]: sampled rows drawn once more each (parallel sampling), sampling's rows S.. S + X - 1."""
+        sibling_rows [X]: sampled rows drawn once more each (parallel sampling), sampling's rows S.. S + X - 1."""
         input_ids, meta = self.prepare(batch)
         if prompt is None:
             logits, hidden = self._logits(batch, input_ids, meta, _decodes_all(batch, meta)), None
         else:
             hidden = self.model(input_ids, meta)
             logits = self._sampled_logits(batch, hidden, meta)
-        if siblings:
-            logits = torch.cat([logits, logits[torch.tensor(siblings)]])
+        if sibling_rows:
+            logits = torch.cat([logits, logits[torch.tensor(sibling_rows)]])
         out = self.sampler(logits, sampling)
         return out if prompt is None else dataclasses.replace(out, prompt=self._score(hidden, *prompt))
 
