@@ -58,6 +58,30 @@ def test_threaded_linear_is_bit_identical_to_one_thread(m, isa, monkeypatch):
             assert torch.equal(linear_bf16(x, w, isa=isa), ref)
 
 
+# Rows past one pass of x (ROW_PASS_X_BYTES in csrc/cpu/gemm_bf16.cpp: 1 MB, 96-128 rows at K 2048) run in passes
+# over the weights, each pass's columns split over the threads; 600 rows: 7 passes, the last of 24 rows (the
+# panel form's last 16-row group and 8 rows of tiles), 250: 3 passes.
+@pytest.mark.parametrize("isa, packed", [(isa, False) for isa in GEMM_ISAS] + [(isa, True) for isa in PACKED])
+@pytest.mark.parametrize("m", [250, 600])
+def test_linear_bf16_in_row_passes_matches_reference_on_any_thread_count(m, isa, packed, monkeypatch):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 2048, generator=g)
+    w = torch.randn(272, 2048, generator=g).to(torch.bfloat16)
+    bias = torch.randn(272, generator=g).to(torch.bfloat16)
+    wk = cpu_ops.pack_bf16_pairs(w) if packed else w
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 1)
+    out = linear_bf16(x, wk, bias, isa=isa, packed=packed)
+    torch.testing.assert_close(out, F.linear(kernel_input(x, isa), w.float(), bias.float()), rtol=1e-5, atol=2e-4)
+    xb = x.to(torch.bfloat16)  # the rounding to bf16 runs on each finished block of the output
+    out_b = linear_bf16(xb, wk, bias, isa=isa, packed=packed)
+    ref_b = (F.linear(xb.float(), w.float()) + bias.float()).to(torch.bfloat16)
+    torch.testing.assert_close(out_b.float(), ref_b.float(), rtol=2 ** -7, atol=1e-3)
+    for threads in (2, 3):
+        monkeypatch.setattr(platform, "kernel_threads", lambda: threads)
+        assert torch.equal(linear_bf16(x, wk, bias, isa=isa, packed=packed), out)
+        assert torch.equal(linear_bf16(xb, wk, bias, isa=isa, packed=packed), out_b)
+
+
 # Threads take whole experts: 2 splits the 4 active experts, 5 leaves threads without one.
 @pytest.mark.parametrize("isa, invariant, packed", [(*mode, False) for mode in MODES] + [(isa, False, True) for isa in PACKED])
 @pytest.mark.parametrize("threads", [1, 2, 5])

@@ -18,8 +18,8 @@ void run_head(const DecodeHead& head, const void* h, float* logits, int64_t T, i
   std::vector<char> normed(T * hidden * (bf16 ? 2 : 4));
   rms_norm(h, hidden, head.norm_w, normed.data(), T, hidden, head.eps, bf16, num_threads);
   const int64_t V = head.vocab;
-  auto round = [&](int64_t n0, int64_t n1) {
-    for (int64_t t = 0; t < T; ++t) {
+  auto round = [&](int64_t t0, int64_t t1, int64_t n0, int64_t n1) {
+    for (int64_t t = t0; t < t1; ++t) {
       float* row = logits + t * V;
       int64_t n = n0;
       for (; n + 8 <= n1; n += 8) _mm256_storeu_ps(row + n, round_to8(_mm256_loadu_ps(row + n), true));
@@ -27,7 +27,7 @@ void run_head(const DecodeHead& head, const void* h, float* logits, int64_t T, i
     }
   };
   gemm_bf16(normed.data(), bf16, head.lm_head, logits, T, hidden, V, head.mode, num_threads,
-            bf16 ? ColumnsDone(round) : nullptr);
+            bf16 ? OutputDone(round) : nullptr);
 }
 
 // x [T, hidden] = embed[ids]; returns the first row whose id is outside [0, rows), or -1 (x then complete).

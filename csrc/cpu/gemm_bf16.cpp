@@ -77,10 +77,20 @@ constexpr int64_t WIDE_MIN_COLS = 256;
 constexpr int64_t COLUMN_TASKS_PER_THREAD = 4;
 // Whole column blocks of every row-major tile shape (4, 6, 8, 12, 16); packed weights: whole panels (PAIR_BLOCK).
 constexpr int64_t COLUMN_ALIGN = 48;
-// fp32 results per column range when a ColumnsDone reads them back (linear_bf16's rounding to bf16): a quarter
+// fp32 results per output block when an OutputDone reads them back (linear_bf16's rounding to bf16): a quarter
 // of L2, so they are read from L2, not memory (the LM head at 64 rows: 8 MB rounded after the GEMM in one pass
 // on one thread cost 1.9 ms of its 23).
 constexpr int64_t DONE_CHUNK_BYTES = 256 << 10;
+// Rows of x per pass over the weights, in bytes of the x the kernel reads: every weight block is read from cache
+// while all these rows pass, and the rows stay in L3 for the next block. With all of x in one pass (a 4096-token
+// prefill: 16 MB of fp32 rows at K 1024) x came from memory for every block: the packed AVX2 tiles ran 40-57
+// against 74-83 GFLOP/s in passes of 0.25-4 MB (Zen 3, one thread, M 4096, K 512-1024, N 1024-1536; runs
+// alternated in one process). The weights are then read once per pass: 1 MB of fp32 x at K 1024 is 240 rows,
+// over which one read of the weights is short.
+constexpr int64_t ROW_PASS_X_BYTES = 1 << 20;
+// Rows per pass are a multiple of this: whole 16-row groups (AMX tiles, the wide path's transposed x), split
+// evenly into 6- and 8-row tiles.
+constexpr int64_t ROW_PASS_ALIGN = 48;
 // An AMX tile multiplies 16 rows of x whatever M is; below this many rows the bf16 dot products read the
 // weights faster (1.1x at 1-2 rows, K 1024; AMX 1.3x faster at 3). The batch-invariant mode keeps AMX
 // for every M: a row's tile products do not depend on the other rows.
@@ -143,7 +153,7 @@ void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2,
 }  // namespace
 
 void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
-               GemmMode mode, int num_threads, const ColumnsDone& done) {
+               GemmMode mode, int num_threads, const OutputDone& done) {
   const Isa isa = mode.isa == Isa::AMX && M < AMX_MIN_ROWS && !mode.invariant ? Isa::AVX512_BF16 : mode.isa;
   const bool pairs = isa == Isa::AVX512_BF16 || isa == Isa::AMX;  // bf16 products: no wide path, x rounded once
   const bool tiles = isa == Isa::AMX;
@@ -173,19 +183,31 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
     if (tiles) pack_x_amx(xb.data(), xm, xk, xv.data());
     xbp = tiles ? xv.data() : xb.data();
   }
-  auto range = [&](int64_t n0, int64_t n1) {
-    gemm_columns(mode, isa, xp, xbp, xk, xt.data(), wide, w, out, M, K, N, n0, n1);
-    if (done) done(n0, n1);
+  // out[m0:m1, n0:n1]; m0 a multiple of ROW_PASS_ALIGN, where every layout of x above starts a row group.
+  auto block = [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    const int64_t wide_rows = std::clamp<int64_t>(wide - m0, 0, m1 - m0);
+    gemm_columns(mode, isa, xp ? xp + m0 * K : nullptr, xbp ? xbp + m0 * xk : nullptr, xk,
+                 wide_rows ? xt.data() + m0 * K : nullptr, wide_rows, w, out + m0 * N, m1 - m0, K, N, n0, n1);
+    if (done) done(m0, m1, n0, n1);
   };
+  const int64_t x_bytes = K * (pairs ? sizeof(uint16_t) : sizeof(float));
+  const int64_t most = std::max<int64_t>(1, ROW_PASS_X_BYTES / x_bytes / ROW_PASS_ALIGN) * ROW_PASS_ALIGN;
+  // Passes of about equal rows (256 rows: 144 + 112, not 240 + 16): each reads all the weights.
+  const int64_t passes = (M + most - 1) / most, rows = std::min(M, round_up((M + passes - 1) / passes, ROW_PASS_ALIGN));
+  const int64_t row_blocks = (M + rows - 1) / rows;
   // Split N across threads only when each gets enough work to beat the wake-up cost: 1M weights to stream, or
   // 4M multiply-adds (the rows of a prefill or a batch make a smaller weight worth splitting too).
   const int threads = threads_for(std::max(4 * N * K, M * N * K), num_threads, 1 << 22);
   const int64_t tasks = threads == 1 || M <= STREAM_MAX_ROWS ? threads : threads * COLUMN_TASKS_PER_THREAD;
-  int64_t chunk = (N + tasks - 1) / tasks;
-  if (done) chunk = std::min(chunk, std::max<int64_t>(1, DONE_CHUNK_BYTES / (M * sizeof(float))));
-  if (chunk >= N) return range(0, N);
-  chunk = round_up(chunk, mode.packed ? PAIR_BLOCK : COLUMN_ALIGN);
-  parallel_for((N + chunk - 1) / chunk, threads, [&](int64_t t) { range(t * chunk, std::min(N, (t + 1) * chunk)); });
+  int64_t cols = (N + tasks - 1) / tasks;
+  if (done) cols = std::min(cols, std::max<int64_t>(1, DONE_CHUNK_BYTES / (rows * sizeof(float))));
+  cols = cols >= N ? N : round_up(cols, mode.packed ? PAIR_BLOCK : COLUMN_ALIGN);
+  const int64_t col_blocks = (N + cols - 1) / cols;
+  // Row-pass major: the threads share one pass of x while they split its columns.
+  parallel_for(row_blocks * col_blocks, threads, [&](int64_t t) {
+    const int64_t r = t / col_blocks, c = t % col_blocks;
+    block(r * rows, std::min(M, (r + 1) * rows), c * cols, std::min(N, (c + 1) * cols));
+  });
 }
 
 // In the packed order, one pair (4 bytes) at a time: the packed side is read or written sequentially, the rows
@@ -205,15 +227,15 @@ void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* o
                  int64_t K, int64_t N, GemmMode mode, int num_threads) {
   Scratch<float> of(ScratchUse::LINEAR_OUT, bf16_io ? M * N : 0);  // bf16_io: the fp32 result
   float* op = bf16_io ? of.data() : static_cast<float*>(out);
-  // Bias and rounding per column range, on the threads that computed it.
-  auto finish = [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; ++m) {
+  // Bias and rounding per output block, on the thread that computed it.
+  auto finish = [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    for (int64_t m = m0; m < m1; ++m) {
       if (bias)
         for (int64_t n = n0; n < n1; ++n) op[m * N + n] += from_bf16(bias[n]);
       if (bf16_io) store_row(out, m * N + n0, n1 - n0, true, op + m * N + n0);
     }
   };
-  gemm_bf16(x, bf16_io, w, op, M, K, N, mode, num_threads, bias || bf16_io ? ColumnsDone(finish) : nullptr);
+  gemm_bf16(x, bf16_io, w, op, M, K, N, mode, num_threads, bias || bf16_io ? OutputDone(finish) : nullptr);
 }
 
 void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint8_t* skip,

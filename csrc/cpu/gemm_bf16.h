@@ -56,14 +56,14 @@ constexpr int64_t STREAM_MAX_ROWS = 4;
 // GemmMode::packed reads. unpack: wp -> w.
 void pack_bf16_pairs(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool unpack);
 
-// Called with each finished range of output columns [n0, n1) (all M rows), on the thread that computed it.
-using ColumnsDone = std::function<void(int64_t n0, int64_t n1)>;
+// Called with each finished block of the output, out[m0:m1, n0:n1], on the thread that computed it.
+using OutputDone = std::function<void(int64_t m0, int64_t m1, int64_t n0, int64_t n1)>;
 
 // out[M,N] fp32 = x[M,K] @ w[N,K]^T; x fp32, or bf16 when x_bf16 (read as it is by the bf16-pair ISAs, which
-// round fp32 x to bf16 first; widened for the others). done (if set) sees every column range once, while its
-// results are still in L2.
+// round fp32 x to bf16 first; widened for the others). done (if set) sees every output element once, in blocks,
+// while their results are still in L2.
 void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
-               GemmMode mode, int num_threads, const ColumnsDone& done = nullptr);
+               GemmMode mode, int num_threads, const OutputDone& done = nullptr);
 
 // out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], bf16 or null), accumulated in fp32; x and out are both fp32,
 // or both bf16 when bf16_io (widened on entry, rounded to nearest even once on exit: torch's
