@@ -48,11 +48,11 @@ PRUNE = 3.0
 # of 8 is timed at 8 rows, where the panel form is the tiles: timing the two compares a kernel with itself, and a
 # pick by noise would run rows 10-15 as zero-padded 16-row groups. So panels are timed from the bucket of 16.
 PANELS_MIN_BUCKET = 16
-# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (6: panel
-# forms timed from the bucket of 16; 5: packed weights have keys of their own; 4: "cpu-avx2" and "cpu-avx512" no
-# longer take the panel form, now a path of its own; 3: the widest ISA within ISA_MARGIN; 2: experts choose an ISA
-# per row bucket; 1 kept one ISA for all row counts).
-PLAN_FORMAT = 6
+# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (7: torch-fp32
+# must beat our kernel by TORCH_MARGIN; 6: panel forms timed from the bucket of 16; 5: packed weights have keys of
+# their own; 4: "cpu-avx2" and "cpu-avx512" no longer take the panel form, now a path of its own; 3: the widest ISA
+# within ISA_MARGIN; 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
+PLAN_FORMAT = 7
 
 
 def bucket(m: int) -> int:
@@ -372,7 +372,9 @@ class GemmPlan:
 
 
 # Our kernel replaces torch's bf16 GEMM only when it measures this much faster: a close race is decided
-# by the moment's noise, and the plan should not flip to a path that is no faster.
+# by the moment's noise, and the plan should not flip to a path that is no faster. Torch's fp32 GEMM (bf16 weights
+# widened per call) must beat our kernel by as much to replace it: in near ties (Zen 3, packed N 1024 / 1536 x
+# K 1024 at 128-512 rows) each rebuild's calibration picked a different side, and the prefill rate moved with it.
 TORCH_MARGIN = 0.9
 
 
@@ -385,12 +387,14 @@ ISA_MARGIN = 1.1
 
 def _choose(times: dict[str, float]) -> str:
     """{path: seconds}, our paths widest ISA first -> our widest path within ISA_MARGIN of our fastest, or
-    another path if faster, or torch-bf16 unless the pick beats it by TORCH_MARGIN."""
+    torch-fp32 if it beats that by TORCH_MARGIN, or torch-bf16 unless the pick beats it by TORCH_MARGIN."""
     ours = [p for p in times if p.startswith("cpu-")]
     if ours:
         best_ours = min(times[p] for p in ours)
         keep = next(p for p in ours if times[p] <= ISA_MARGIN * best_ours)
         times = {p: t for p, t in times.items() if p == keep or not p.startswith("cpu-")}
+        if "torch-fp32" in times and times["torch-fp32"] > TORCH_MARGIN * times[keep]:
+            del times["torch-fp32"]
     best = min(times, key=times.get)
     if "torch-bf16" in times and times[best] > TORCH_MARGIN * times["torch-bf16"]:
         return "torch-bf16"
