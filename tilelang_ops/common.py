@@ -15,6 +15,8 @@ import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
 
+from tilelang_ops.args import check
+
 CUDA_THREADS = 128
 CUDA_ARCH = "sm_90a"
 C_FLAGS = ["-O3", "-march=native"]
@@ -127,15 +129,3 @@ def nvcc_compile(source: str, out_dir: str, name: str, arch: str = CUDA_ARCH) ->
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed for {name}:\n{proc.stdout}\n{proc.stderr}")
     return cubin
-
-
-def check(cond: bool, msg: str):
-    """Boundary validation: a clear ValueError before any launch."""
-    if not cond:
-        raise ValueError(msg)
-
-
-def check_tensor(t, name: str, dtypes, ndim: int):
-    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor")
-    check(t.dtype in dtypes, f"{name} must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
-    check(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")

@@ -40,21 +40,23 @@ def get_op(name: str, impl: str = "auto"):
     if impl not in ("auto", "kernel", "reference"):
         raise ValueError(f"impl must be 'auto', 'kernel' or 'reference', got {impl!r}")
     mod, kern, ref = OPS[name]
-    m = importlib.import_module(f"tilelang_ops.{mod}")
+    # Imported on first need: importing TileLang takes ~2.5 s, which an engine whose ops all have CPU kernels
+    # would spend at every start for nothing.
+    module = lambda: importlib.import_module(f"tilelang_ops.{mod}")
     if impl != "auto":
-        return getattr(m, kern if impl == "kernel" else ref)
+        return getattr(module(), kern if impl == "kernel" else ref)
 
     cpu_kernel = CPU_KERNELS.get(name)
 
     def op(*args, **kwargs):  # resolved per call, so a patched kernel or reference is the one that runs
         t = _first_tensor(args, kwargs)
         if t is not None and t.is_cuda:
-            fn = getattr(m, kern)
+            fn = getattr(module(), kern)
         elif cpu_kernel:
             mod_name, fn_name = cpu_kernel.split(":")
             fn = getattr(importlib.import_module(mod_name), fn_name)
         else:
-            fn = getattr(m, ref)
+            fn = getattr(module(), ref)
         return fn(*args, **kwargs)
     op.__name__ = name
     return op

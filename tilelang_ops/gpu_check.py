@@ -15,6 +15,7 @@ import torch
 
 from deepinfer.platform import cpu_flags
 from tilelang_ops import kv_load, kv_store, sampling, token_mask, v4_decode_attention, verify_len
+from tilelang_ops.args import GROUP
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}   # max |kernel - ref| / max |ref|
 NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -59,7 +60,7 @@ def kv_cases(fmt, D, dev, g, dt):
     """Store then load cases for one format (a function, so the lambdas bind this format's tensors)."""
     out = []
     N, NB, BE = 4096, 2048, 64
-    G = kv_store.GROUP[fmt]
+    G = GROUP[fmt]
     x = torch.randn(N, D, device=dev, generator=g).to(dt)
     slots = torch.randperm(NB * BE, device=dev, generator=g)[:N]
     pk, sk = (torch.zeros(NB, BE, D // 2, dtype=torch.uint8, device=dev),

@@ -9,9 +9,9 @@ import torch
 import tilelang.language as T
 
 from deepinfer.formats.fp4 import dequantize_mxfp4, dequantize_nvfp4
-from tilelang_ops.common import Tiles, build, check, check_tensor, target_of
+from tilelang_ops.args import GROUP, check, check_kv_load, entry_slots
+from tilelang_ops.common import Tiles, build, target_of
 from tilelang_ops.fp4_tl import e2m1_value, group_scale
-from tilelang_ops.kv_store import GROUP
 
 TILE = 8192  # output elements per block: enough to amortise building the per-block byte table
 OUT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -19,19 +19,12 @@ OUT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 def kv_load_ref(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dtype=torch.float32):
     """Gather + dequantise with deepinfer.formats.fp4; see module docstring for shapes."""
-    _validate(packed, scales, block_table, indices, fmt)
+    check_kv_load(packed, scales, block_table, indices, fmt)
     slot, valid = entry_slots(block_table, indices, packed.shape[1])
     p = packed.reshape(-1, packed.shape[-1])[slot]
     s = scales.reshape(-1, scales.shape[-1])[slot]
     out = dequantize_nvfp4(p, s, tensor_scale) if fmt == "nvfp4" else dequantize_mxfp4(p, s)
     return torch.where(valid.unsqueeze(-1), out, 0.0).to(dtype), valid
-
-
-def entry_slots(block_table, indices, block_entries: int):
-    """-> (flat pool rows [B, k] of the entries at `indices` (padding: row 0), valid [B, k])."""
-    valid = indices >= 0
-    pos = indices.long().clamp(min=0)
-    return block_table.long().gather(1, pos // block_entries).clamp(min=0) * block_entries + pos % block_entries, valid
 
 
 def pool_row(table, b, pos, BE: int):
@@ -84,7 +77,7 @@ def make_kv_load(fmt: str, D: int, BE: int, out_dtype: str, target: str):
 
 def kv_load(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dtype=torch.float32):
     """TileLang version of kv_load_ref (same arguments, same result)."""
-    _validate(packed, scales, block_table, indices, fmt)
+    check_kv_load(packed, scales, block_table, indices, fmt)
     check(dtype in OUT_DTYPES, f"kv_load kernel: output dtype {dtype} unsupported (float32, bfloat16)")
     target = target_of(packed, scales, block_table, indices)
     check(target == "cuda" or dtype == torch.float32, "kv_load kernel: the C target runs fp32 only")
@@ -97,16 +90,3 @@ def kv_load(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dt
     k(packed.contiguous().view(-1, packed.shape[-1]), scales.contiguous().view(-1, scales.shape[-1]),
       block_table.long().contiguous(), indices.long().contiguous(), ts, out.view(B, K, -1, 2))
     return out, indices >= 0
-
-
-def _validate(packed, scales, block_table, indices, fmt):
-    check(fmt in GROUP, f"kv_load: fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
-    check_tensor(packed, "packed", (torch.uint8,), 3)
-    check_tensor(scales, "scales", (torch.uint8,), 3)
-    check_tensor(block_table, "block_table", (torch.int32, torch.int64), 2)
-    check_tensor(indices, "indices", (torch.int32, torch.int64), 2)
-    D = packed.shape[-1] * 2
-    check(scales.shape[:2] == packed.shape[:2] and scales.shape[-1] * GROUP[fmt] == D,
-          f"kv_load: scales {tuple(scales.shape)} do not match packed {tuple(packed.shape)} for {fmt}")
-    check(block_table.shape[0] == indices.shape[0],
-          f"kv_load: block_table batch {block_table.shape[0]} != indices batch {indices.shape[0]}")

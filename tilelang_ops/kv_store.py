@@ -10,17 +10,17 @@ import torch
 import tilelang.language as T
 
 from deepinfer.formats.fp4 import quantize_mxfp4, quantize_nvfp4
-from tilelang_ops.common import Tiles, build, check, check_tensor, target_of
+from tilelang_ops.args import GROUP, check, check_kv_store
+from tilelang_ops.common import Tiles, build, target_of
 from tilelang_ops.fp4_tl import absf, e2m1_code, e4m3_round, float_exponent, pow2
 
 TILE = 2048  # elements per block: 16 per thread, two 16-byte loads of bf16
-GROUP = {"nvfp4": 16, "mxfp4": 32}
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def kv_store_ref(x, slot_mapping, packed, scales, fmt: str, tensor_scale=1.0):
     """x [N, D] float, slot_mapping [N] int -> writes packed / scales rows in place; returns None."""
-    G = _validate(x, slot_mapping, packed, scales, fmt)
+    G = check_kv_store(x, slot_mapping, packed, scales, fmt)
     keep = slot_mapping >= 0
     if not bool(keep.any()):
         return
@@ -85,7 +85,7 @@ def make_kv_store(fmt: str, D: int, dtype: str, target: str):
 
 def kv_store(x, slot_mapping, packed, scales, fmt: str, tensor_scale=1.0):
     """TileLang version of kv_store_ref (same arguments, same bytes written)."""
-    _validate(x, slot_mapping, packed, scales, fmt)
+    check_kv_store(x, slot_mapping, packed, scales, fmt)
     check(x.dtype in DTYPES, f"kv_store kernel: x dtype {x.dtype} unsupported (float32, bfloat16)")
     target = target_of(x, slot_mapping, packed, scales)
     check(target == "cuda" or x.dtype == torch.float32, "kv_store kernel: the C target runs fp32 only")
@@ -98,18 +98,3 @@ def kv_store(x, slot_mapping, packed, scales, fmt: str, tensor_scale=1.0):
     k = build(make_kv_store, target, fmt, x.shape[1], DTYPES[x.dtype])
     k(x.contiguous().view(-1, G), slot_mapping.long().contiguous(), ts.to(x.device), packed.view(-1, G // 2),
       scales.view(-1))
-
-
-def _validate(x, slot_mapping, packed, scales, fmt):
-    check(fmt in GROUP, f"kv_store: fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
-    G = GROUP[fmt]
-    check_tensor(x, "x", (torch.float32, torch.bfloat16, torch.float16), 2)
-    check_tensor(slot_mapping, "slot_mapping", (torch.int32, torch.int64), 1)
-    check_tensor(packed, "packed", (torch.uint8,), 3)
-    check_tensor(scales, "scales", (torch.uint8,), 3)
-    N, D = x.shape
-    check(D % G == 0, f"kv_store: D={D} must be a multiple of the {fmt} group {G}")
-    check(slot_mapping.shape[0] == N, f"kv_store: slot_mapping has {slot_mapping.shape[0]} entries for {N} tokens")
-    check(packed.shape[-1] == D // 2 and scales.shape[-1] == D // G and packed.shape[:2] == scales.shape[:2],
-          f"kv_store: packed {tuple(packed.shape)} / scales {tuple(scales.shape)} do not fit D={D} {fmt}")
-    return G

@@ -24,7 +24,8 @@ so u is in (0, 1), exact in fp32, and bit-identical on every target. Each row ha
 import torch
 import tilelang.language as T
 
-from tilelang_ops.common import Tiles, build, check, check_tensor, target_of
+from tilelang_ops.args import check, check_sample
+from tilelang_ops.common import Tiles, build, target_of
 
 M32 = 0xFFFFFFFF
 KEY_MIN = -2 ** 31   # below every non-NaN key: marks dropped tokens in selections
@@ -117,7 +118,7 @@ def _first_reaching(key, mass, target, K):
 
 def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     """See module docstring; seeds, offsets [B] int64; returns [B] int64."""
-    _validate(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    check_sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     B, V = logits.shape
     if V == 0:
         return torch.full((B,), -1, dtype=torch.int64, device=logits.device)
@@ -303,7 +304,7 @@ def make_sample(V: int, target: str):
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     """TileLang version of sample_ref (same arguments and result)."""
-    _validate(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    check_sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     check(logits.dtype == torch.float32, f"sample kernel: logits must be float32, got {logits.dtype}")
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -314,13 +315,3 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets):
         logits.contiguous(), temperature.float().contiguous(), top_k.int().contiguous(), top_p.float().contiguous(),
         min_p.float().contiguous(), seeds.long().contiguous(), offsets.long().contiguous(), out)
     return out
-
-
-def _validate(logits, temperature, top_k, top_p, min_p, seeds, offsets):
-    check_tensor(logits, "logits", (torch.float32, torch.bfloat16, torch.float16), 2)
-    B = logits.shape[0]
-    for name, t, dts in [("temperature", temperature, (torch.float32,)), ("top_k", top_k, (torch.int32, torch.int64)),
-                         ("top_p", top_p, (torch.float32,)), ("min_p", min_p, (torch.float32,)),
-                         ("seeds", seeds, (torch.int64,)), ("offsets", offsets, (torch.int64,))]:
-        check_tensor(t, name, dts, 1)
-        check(t.shape[0] == B, f"sample: {name} has {t.shape[0]} rows for {B} logits rows")

@@ -3,14 +3,15 @@ token 32*i + j; disallowed logits are set to -inf in place. Returns the logits t
 import torch
 import tilelang.language as T
 
-from tilelang_ops.common import build, check, check_tensor, grid, item, target_of, threads_for
+from tilelang_ops.args import check, check_token_mask
+from tilelang_ops.common import build, grid, item, target_of, threads_for
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def apply_token_mask_ref(logits, bitmask):
     """logits [B, V] float (in place), bitmask [B, ceil(V/32)] int32."""
-    _validate(logits, bitmask)
+    check_token_mask(logits, bitmask)
     V = logits.shape[1]
     bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
     allowed = bits.flatten(1)[:, :V].bool()
@@ -37,7 +38,7 @@ def make_token_mask(V: int, dtype: str, target: str):
 
 def apply_token_mask(logits, bitmask):
     """TileLang version of apply_token_mask_ref (same arguments and result)."""
-    _validate(logits, bitmask)
+    check_token_mask(logits, bitmask)
     target = target_of(logits, bitmask)
     check(logits.dtype in DTYPES, f"apply_token_mask kernel: logits dtype {logits.dtype} unsupported")
     check(target == "cuda" or logits.dtype == torch.float32, "apply_token_mask kernel: the C target runs fp32 only")
@@ -45,11 +46,3 @@ def apply_token_mask(logits, bitmask):
     if logits.numel():
         build(make_token_mask, target, logits.shape[1], DTYPES[logits.dtype])(logits, bitmask)
     return logits
-
-
-def _validate(logits, bitmask):
-    check_tensor(logits, "logits", (torch.float32, torch.bfloat16, torch.float16), 2)
-    check_tensor(bitmask, "bitmask", (torch.int32,), 2)
-    B, V = logits.shape
-    check(bitmask.shape == (B, (V + 31) // 32),
-          f"apply_token_mask: bitmask must be [{B}, {(V + 31) // 32}] for logits [{B}, {V}], got {tuple(bitmask.shape)}")

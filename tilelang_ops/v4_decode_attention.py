@@ -12,17 +12,17 @@ With no valid entry the output is exactly zero.
 import torch
 import tilelang.language as T
 
-from tilelang_ops.common import Tiles, build, check, check_tensor, target_of
+from tilelang_ops.args import GROUP, check, check_kv_load, check_v4_decode_attention
+from tilelang_ops.common import Tiles, build, target_of
 from tilelang_ops.fp4_tl import e2m1_value, group_scale
-from tilelang_ops.kv_load import _validate as kv_load_validate, kv_load_ref, pool_row
-from tilelang_ops.kv_store import GROUP
+from tilelang_ops.kv_load import kv_load_ref, pool_row
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def v4_decode_attention_ref(q, ring, ring_len, comp, comp_valid, sinks, scale: float):
     """q [B, H, D], ring [B, W, D], ring_len [B], comp [B, K, D], comp_valid [B, K] bool, sinks [H] -> [B, H, D]."""
-    _validate(q, ring, ring_len, comp, comp_valid, sinks)
+    check_v4_decode_attention(q, ring, ring_len, comp, comp_valid, sinks)
     B, H, D = q.shape
     kv = torch.cat([ring, comp], 1).float()                                    # [B, N, D]
     W = ring.shape[1]
@@ -189,7 +189,7 @@ def num_splits(B: int, H: int, N: int, target: str) -> int:
 def v4_decode_attention(q, ring, ring_len, comp, comp_valid, sinks, scale: float, splits: int | None = None):
     """TileLang version of v4_decode_attention_ref (same arguments and result); splits: split-K count
     (None: by batch size and SM count)."""
-    _validate(q, ring, ring_len, comp, comp_valid, sinks)
+    check_v4_decode_attention(q, ring, ring_len, comp, comp_valid, sinks)
     target = _check_kernel_inputs(q, ring, comp, ring_len, comp_valid, sinks)
     if comp.shape[1] == 0:  # a kernel tensor needs a column: one invalid entry, which attends to nothing
         comp, comp_valid = q.new_zeros(q.shape[0], 1, q.shape[2]), comp_valid.new_zeros(q.shape[0], 1)
@@ -210,8 +210,8 @@ def v4_decode_attention_fp4(q, ring, ring_len, packed, scales, block_table, indi
                             fmt: str, tensor_scale=1.0, splits: int | None = None):
     """TileLang version of v4_decode_attention_fp4_ref: entries dequantised in the attention tile."""
     comp_like = q.new_empty(1, 1, 1).expand(indices.shape[0], indices.shape[1], packed.shape[-1] * 2)
-    _validate(q, ring, ring_len, comp_like, indices, sinks)
-    kv_load_validate(packed, scales, block_table, indices, fmt)
+    check_v4_decode_attention(q, ring, ring_len, comp_like, indices, sinks)
+    check_kv_load(packed, scales, block_table, indices, fmt)
     target = _check_kernel_inputs(q, ring, ring_len, packed, scales, block_table, indices, sinks)
     if indices.shape[1] == 0:  # as in v4_decode_attention: one padding entry
         indices = indices.new_full((indices.shape[0], 1), -1)
@@ -249,20 +249,3 @@ def _run(q, ring, ring_len, sinks, scale, splits, target, fmt, K, BE, comp, tens
         q.contiguous(), ring.contiguous(), ring_len.int().contiguous(), *comp, sc, o_part, lse_part)
     build(make_combine, target, H, D, splits, dt)(o_part, lse_part, sinks.float().contiguous(), out)
     return out
-
-
-def _validate(q, ring, ring_len, comp, comp_valid, sinks):
-    fl = (torch.float32, torch.bfloat16, torch.float16)
-    check_tensor(q, "q", fl, 3)
-    check_tensor(ring, "ring", fl, 3)
-    check_tensor(comp, "comp", fl, 3)
-    check_tensor(ring_len, "ring_len", (torch.int32, torch.int64), 1)
-    check_tensor(comp_valid, "comp_valid", (torch.bool, torch.uint8, torch.int32, torch.int64), 2)
-    check_tensor(sinks, "sinks", (torch.float32, torch.bfloat16), 1)
-    B, H, D = q.shape
-    check(ring.shape[0] == B and comp.shape[0] == B and ring_len.shape[0] == B and comp_valid.shape[0] == B,
-          f"v4_decode_attention: batch sizes differ: q {B}, ring {ring.shape[0]}, ring_len {ring_len.shape[0]}, "
-          f"comp {comp.shape[0]}, comp_valid {comp_valid.shape[0]}")
-    check(ring.shape[2] == D and comp.shape[2] == D, f"v4_decode_attention: head dim {D} != ring/comp dims")
-    check(comp_valid.shape[1] == comp.shape[1], "v4_decode_attention: comp_valid [B, K] must match comp [B, K, D]")
-    check(sinks.shape[0] == H, f"v4_decode_attention: sinks has {sinks.shape[0]} entries for {H} heads")

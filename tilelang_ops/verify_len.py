@@ -9,7 +9,8 @@ non-increasing along j and, with the tie rule, every request's admitted set is a
 import torch
 import tilelang.language as T
 
-from tilelang_ops.common import build, check, check_tensor, grid, item, target_of, threads_for
+from tilelang_ops.args import check, check_tensor
+from tilelang_ops.common import build, grid, item, target_of, threads_for
 
 
 def sanitize(c: torch.Tensor) -> torch.Tensor:

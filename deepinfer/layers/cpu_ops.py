@@ -5,6 +5,7 @@ import contextlib
 import torch
 
 from deepinfer import _C, platform
+from tilelang_ops.args import check_kv_load, check_kv_store, check_sample, check_v4_decode_attention, entry_slots
 
 # Activation dtypes the kernels read and write directly.
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
@@ -426,9 +427,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> torch.Tensor:
     """tilelang_ops.sampling.sample_ref's arguments and draw (bit-identical hashes; C-library logs, so scores
     tied within an ulp could break differently), in C++: [B, V] logits -> [B] int64 tokens."""
-    from tilelang_ops.sampling import _validate
-
-    _validate(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    check_sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     B, V = logits.shape
     args = [t.contiguous() for t in (logits.float(), temperature, top_k.long(), top_p, min_p, seeds, offsets)]
     tokens = torch.empty(B, dtype=torch.int64)
@@ -502,9 +501,7 @@ def _kv_width(data: torch.Tensor, scales: torch.Tensor, fmt: str) -> int:
 def kv_load(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dtype=torch.float32):
     """tilelang_ops.kv_load.kv_load_ref's arguments and result, bit for bit: the selected FP4 entries
     [B, k, D] in dtype (padding zeros) and valid [B, k]."""
-    from tilelang_ops.kv_load import _validate, entry_slots
-
-    _validate(packed, scales, block_table, indices, fmt)
+    check_kv_load(packed, scales, block_table, indices, fmt)
     rows, valid = entry_slots(block_table, indices, packed.shape[1])
     return load_rows(packed, scales, torch.where(valid, rows, -1), fmt, dtype, tensor_scale), valid
 
@@ -512,9 +509,7 @@ def kv_load(packed, scales, block_table, indices, fmt: str, tensor_scale=1.0, dt
 def kv_store(x, slot_mapping, packed, scales, fmt: str, tensor_scale=1.0):
     """tilelang_ops.kv_store.kv_store_ref's arguments and effect, bit for bit: x [N, D] quantised into the pool
     rows slot_mapping [N] (< 0: skipped)."""
-    from tilelang_ops.kv_store import _validate
-
-    _validate(x, slot_mapping, packed, scales, fmt)
+    check_kv_store(x, slot_mapping, packed, scales, fmt)
     keep = slot_mapping >= 0
     x = x if x.dtype in STREAM_DTYPES else x.float()  # fp16 widens exactly
     store_rows(x[keep], slot_mapping[keep], packed, scales, fmt, tensor_scale)
@@ -631,9 +626,7 @@ def v4_decode_attention(q: torch.Tensor, ring: torch.Tensor, ring_len: torch.Ten
                         comp_valid: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D], ring [B, W, D], ring_len [B], comp [B, K, D], comp_valid [B, K], sinks [H] -> [B, H, D]:
     the CPU implementation of tilelang_ops.v4_decode_attention's op (same arguments and result)."""
-    from tilelang_ops.v4_decode_attention import _validate  # the op's one shape check, shared with its kernels
-
-    _validate(q, ring, ring_len, comp, comp_valid, sinks)
+    check_v4_decode_attention(q, ring, ring_len, comp, comp_valid, sinks)
     if q.dtype not in STREAM_DTYPES or ring.dtype != q.dtype or comp.dtype != q.dtype:
         raise ValueError(f"v4_decode_attention: q/ring/comp must share dtype float32 or bfloat16, got "
                          f"{q.dtype}/{ring.dtype}/{comp.dtype}")
