@@ -5,13 +5,13 @@ not by the weight reads a decode step is bound by. This times the linears of the
 expert's gate_up and down) at prefill row counts, bf16 activations as the engine runs them: our fastest kernel here
 (each ISA on row-major weights, and the packed kernel on weights in bf16 pairs), torch's `F.linear` on bf16
 operands (oneDNN) and on widened fp32 weights (MKL's sgemm, gemm_plan's "torch-fp32"). Rounds alternate the
-candidates; each keeps its best call per round, and the table shows medians over rounds.
+candidates; each keeps its best call per round (after an untimed one: oneDNN builds its primitive on the first),
+and the table shows medians over rounds.
 
     python examples/bench_prefill_gemm.py [--threads 1 2] [--rounds 5] [--write]
 """
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from deepinfer import platform
 from deepinfer.docs import write_section
 from deepinfer.layers import cpu_ops
 from deepinfer.layers.gemm_plan import GemmPlan
+from examples.sweep.roofline import best_time
 
 SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "expert gate_up": (1024, 1024), "expert down": (1024, 512)}
 ROWS = [256, 1024, 4096]
@@ -40,15 +41,6 @@ def candidates(x: torch.Tensor, w: torch.Tensor) -> dict:
     return out
 
 
-def best_seconds(fn) -> float:
-    best = float("inf")
-    for _ in range(CALLS):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure(threads: int, rounds: int) -> list[tuple]:
     """[(name, N, K, M, our best path, {candidate: median GFLOP/s})]."""
     platform.set_threads(threads)
@@ -60,12 +52,10 @@ def measure(threads: int, rounds: int) -> list[tuple]:
         for m in ROWS:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             fns = candidates(x, w)
-            for fn in fns.values():
-                fn()  # oneDNN builds its primitive on the first call
             rates = {c: [] for c in fns}
             for _ in range(rounds):
                 for c, fn in fns.items():
-                    rates[c].append(2 * m * n * k / best_seconds(fn) / 1e9)
+                    rates[c].append(2 * m * n * k / best_time(fn, CALLS) / 1e9)  # its first call untimed
             med = {c: statistics.median(r) for c, r in rates.items()}
             ours = max((c for c in med if c.startswith("cpu-")), key=med.get)
             results.append((name, n, k, m, ours, med))
