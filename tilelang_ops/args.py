@@ -33,7 +33,8 @@ def check_token_mask(logits, bitmask):
     check_tensor(bitmask, "bitmask", (torch.int32,), 2)
     B, V = logits.shape
     check(bitmask.shape == (B, (V + 31) // 32),
-          f"apply_token_mask: bitmask must be [{B}, {(V + 31) // 32}] for logits [{B}, {V}], got {tuple(bitmask.shape)}")
+          f"apply_token_mask: bitmask must be [{B}, {(V + 31) // 32}] for logits [{B}, {V}], "
+          f"got {tuple(bitmask.shape)}")
 
 
 def check_kv_store(x, slot_mapping, packed, scales, fmt):

@@ -40,9 +40,12 @@ def get_op(name: str, impl: str = "auto"):
     if impl not in ("auto", "kernel", "reference"):
         raise ValueError(f"impl must be 'auto', 'kernel' or 'reference', got {impl!r}")
     mod, kern, ref = OPS[name]
-    # Imported on first need: importing TileLang takes ~2.5 s, which an engine whose ops all have CPU kernels
-    # would spend at every start for nothing.
-    module = lambda: importlib.import_module(f"tilelang_ops.{mod}")
+
+    def module():
+        """Imported on first need: importing TileLang takes ~2.5 s, which an engine whose ops all have CPU kernels
+        would spend at every start for nothing."""
+        return importlib.import_module(f"tilelang_ops.{mod}")
+
     if impl != "auto":
         return getattr(module(), kern if impl == "kernel" else ref)
 
