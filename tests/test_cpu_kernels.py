@@ -58,6 +58,25 @@ def test_threaded_linear_is_bit_identical_to_one_thread(m, isa, monkeypatch):
             assert torch.equal(linear_bf16(x, w, isa=isa), ref)
 
 
+# fp32 weights (an fp32 model's linears) on the ISAs that read fp32 activations: rows of at most 2 KB (k 64, 100,
+# 37) stream for up to 3 rows of x, k 600 goes to the tiles; the panel form from 10 rows at n >= 256.
+@pytest.mark.parametrize("isa, invariant", [(isa, inv) for isa, inv in MODES if isa not in BF16_INPUT_ISAS])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 16, 17, 40, 130])
+@pytest.mark.parametrize("k, n", [(64, 96), (100, 37), (37, 259), (600, 300)])
+def test_linear_on_fp32_weights_matches_fp32_reference(m, k, n, isa, invariant, monkeypatch):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 1)
+    out = linear_bf16(x, w, bias, isa=isa, invariant=invariant)
+    torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(platform, "kernel_threads", lambda: 2)
+    assert torch.equal(linear_bf16(x, w, bias, isa=isa, invariant=invariant), out)
+    if invariant:
+        assert torch.equal(linear_bf16(x[m - 1:], w, bias, isa=isa, invariant=True), out[m - 1:])
+
+
 # Rows past one pass of x (ROW_PASS_X_BYTES in csrc/cpu/gemm_bf16.cpp: 1 MB, 96-128 rows at K 2048) run in passes
 # over the weights, each pass's columns split over the threads; 600 rows: 7 passes, the last of 24 rows (the
 # panel form's last 16-row group and 8 rows of tiles), 250: 3 passes.
@@ -105,6 +124,49 @@ def test_grouped_experts_match_loop_reference(limit, threads, isa, invariant, pa
     # bf16 inputs: an activation a hair from a rounding boundary may round the other way (one bf16 step).
     tol = dict(rtol=1e-2, atol=2e-2) if isa in BF16_INPUT_ISAS else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, torch.cat(ref), **tol)
+
+
+# fp32 weights (an fp32 model's) on the ISAs that read fp32 activations. H 48: rows of up to 3 stream the weights
+# (rows of at most 2 KB), K tails; H 530: every row count on tiles, and the down projection's 17 rows take one
+# 16-row group of outer products (panels) and a tiled row.
+@pytest.mark.parametrize("isa, invariant", [(isa, inv) for isa, inv in MODES if isa not in BF16_INPUT_ISAS])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("h, i", [(48, 24), (530, 40)])
+def test_grouped_experts_on_fp32_weights_match_fp32_reference(h, i, threads, isa, invariant, monkeypatch):
+    monkeypatch.setattr(platform, "kernel_threads", lambda: threads)
+    g = torch.Generator().manual_seed(h)
+    counts = torch.tensor([3, 0, 1, 17, 2, 0])
+    x = torch.randn(int(counts.sum()), h, generator=g)
+    w13 = torch.randn(6, 2 * i, h, generator=g)
+    w2 = torch.randn(6, h, i, generator=g)
+    out = grouped_experts_bf16(x, counts, w13, w2, 0.7, isa=isa, invariant=invariant)
+    start, ref = 0, []
+    for expert, c in enumerate(counts.tolist()):
+        gate, up = F.linear(x[start:start + c], w13[expert]).chunk(2, -1)
+        ref.append(F.linear(F.silu(gate.clamp(max=0.7)) * up.clamp(-0.7, 0.7), w2[expert]))
+        start += c
+    torch.testing.assert_close(out, torch.cat(ref), rtol=1e-5, atol=1e-4)
+    if invariant:  # expert 3's first row alone: the same bits as among its 17
+        alone = grouped_experts_bf16(x[4:5], torch.tensor([0, 0, 0, 1, 0, 0]), w13, w2, 0.7, isa=isa, invariant=True)
+        assert torch.equal(alone, out[4:5])
+
+
+def test_fp32_weights_are_refused_where_no_kernel_reads_them():
+    x, counts = torch.zeros(2, 32), torch.tensor([2])
+    w13, w2 = torch.zeros(1, 32, 32), torch.zeros(1, 32, 16)
+    with pytest.raises(ValueError, match="w2"):
+        grouped_experts_bf16(x, counts, w13, w2.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        linear_bf16(x, w2[0].T.contiguous(), torch.zeros(16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32 weights"):
+        grouped_experts_bf16(x, counts, w13, w2, isa="avx2", packed=True)
+    with pytest.raises(ValueError, match="fp32 weights"):
+        linear_bf16(x, w13[0], isa="avx2", packed=True)
+    for isa in BF16_INPUT_ISAS & set(GEMM_ISAS):
+        with pytest.raises(ValueError, match="fp32 weights"):
+            grouped_experts_bf16(x, counts, w13, w2, isa=isa)
+        with pytest.raises(ValueError, match="fp32 weights"):
+            linear_bf16(x, w13[0], isa=isa)
 
 
 def test_pack_bf16_pairs_lays_out_pairs_per_block_and_round_trips():
@@ -356,19 +418,20 @@ def test_qk_norm_rope_store_matches_the_torch_layers(qk_norm, dtype):
                                    v_cache, slots)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float32, torch.float32)])
 @pytest.mark.parametrize("t", [1, 6, 300])  # 300 tokens x 3: the gather and the sum split over threads
-def test_moe_experts_match_grouped_loop(t, dtype, monkeypatch):
+def test_moe_experts_match_grouped_loop(t, dtype, weight_dtype, monkeypatch):
     """The fused MoE call against grouping, expert by expert, and index_add_ in torch; a skipped expert
-    contributes nothing."""
+    contributes nothing. Expert weights in bf16, or fp32 (an fp32 model's)."""
     monkeypatch.setattr(platform, "kernel_threads", lambda: 2)
     g = torch.Generator().manual_seed(t)
     e, h, i, k = 6, 64, 40, 3
     x = torch.randn(t, h, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     weights = torch.rand(t, k, generator=g).to(dtype)
-    w13 = torch.randn(e, 2 * i, h, generator=g).to(torch.bfloat16)
-    w2 = torch.randn(e, h, i, generator=g).to(torch.bfloat16)
+    w13 = torch.randn(e, 2 * i, h, generator=g).to(weight_dtype)
+    w2 = torch.randn(e, h, i, generator=g).to(weight_dtype)
     skip = torch.zeros(e, dtype=torch.bool)
     skip[2] = True
     out = cpu_ops.moe_experts_bf16(x, ids, weights, w13, w2, 0.9, skip)

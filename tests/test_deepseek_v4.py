@@ -599,7 +599,7 @@ def test_bench_weight_reads_count_the_touched_experts(ckpt):
     x = torch.randn(3, experts.gate_up_proj.shape[2])
     ids = torch.tensor([[0, 1], [1, 2], [0, 2]])
     experts(x, ids, torch.ones(3, 2))
-    model.model.layers[1].mlp.experts(x, ids[:1], torch.ones(1, 2))
+    model.model.layers[1].mlp.experts(x[:1], ids[:1], torch.ones(1, 2))
     nbytes, flops = reads.take(tokens=3)
     assert nbytes == dense + (3 + 2) * per_expert
     assert flops == 2 * 3 * (dense / 4 + len(reads.experts) * 2 * per_expert / 4)

@@ -102,13 +102,15 @@ def test_skipped_experts_are_left_to_the_caller():
         grouped_experts_bf16(x, counts, w13, w2, skip=torch.tensor([True]))
 
 
-@pytest.mark.parametrize("packed", [False] + ([True] if cpu_ops.PACKED_ISA else []))
-def test_experts_sent_to_torch_match_the_kernel(monkeypatch, packed):
-    """A plan that sends experts of 2+ rows to torch's bf16 GEMM (as on AMX CPUs) splits one layer
-    between both paths; the result matches the all-kernel layer (on row-major weights) to bf16 rounding.
-    packed: the experts are packed in bf16 pairs, and torch's path unpacks each expert it runs."""
+@pytest.mark.parametrize("dtype, packed", [(torch.bfloat16, False), (torch.float32, False)]
+                         + ([(torch.bfloat16, True)] if cpu_ops.PACKED_ISA else []))
+def test_experts_sent_to_torch_match_the_kernel(monkeypatch, dtype, packed):
+    """A plan that sends experts of 2+ rows to torch's GEMM (as bf16 ones on AMX CPUs) splits one layer
+    between both paths; the result matches the all-kernel layer (on row-major weights) to bf16 rounding (fp32
+    weights: to fp32 rounding, through torch's fp32 GEMM). packed: the experts are packed in bf16 pairs, and torch's
+    path unpacks each expert it runs."""
     g = torch.Generator().manual_seed(4)
-    moe = FusedMoE(4, 32, 24, torch.bfloat16, limit=0.9)
+    moe = FusedMoE(4, 32, 24, dtype, limit=0.9)
     moe.gate_up_proj.data.copy_(torch.randn(4, 48, 32, generator=g))
     moe.down_proj.data.copy_(torch.randn(4, 32, 24, generator=g))
     x = torch.randn(7, 32, generator=g)
@@ -120,18 +122,21 @@ def test_experts_sent_to_torch_match_the_kernel(monkeypatch, packed):
         assert moe.packed
     plan = GemmPlan()
     plan.expert_paths(moe.gate_up_proj, moe.down_proj, [1, 2, 4], packed)  # calibrated, then overridden below
-    key = (gemm_plan._kind("experts", packed), 32, 48)
+    key = (gemm_plan._kind("experts", packed, dtype), 32, 48)
+    assert {k[-1]: p.startswith("cpu-") or p == ("torch-fp32" if dtype == torch.float32 else "torch-bf16")
+            for k, p in plan.table.items() if k[:-1] == key} == {1: True, 2: True, 4: True}
     for rows in (2, 4):
-        plan.table[(*key, rows)] = "torch-bf16"
-    plan.table[(*key, 1)] = plan.cpu_paths(packed=packed)[-1]
+        plan.table[(*key, rows)] = "torch-fp32" if dtype == torch.float32 else "torch-bf16"
+    ours = plan.cpu_paths(dtype, packed=packed)[-1]
+    plan.table[(*key, 1)] = ours
     monkeypatch.setattr(gemm_plan, "PLAN", plan)
     monkeypatch.setattr("deepinfer.layers.moe.PLAN", plan)
     kernel, via_torch = plan.expert_paths(moe.gate_up_proj, moe.down_proj, [3, 7, 2, 2], packed)
     assert kernel.startswith("cpu-") and via_torch == [0, 1, 2, 3]
-    assert plan.expert_paths(moe.gate_up_proj, moe.down_proj, [3, 1, 0, 1], packed) == \
-        (plan.cpu_paths(packed=packed)[-1], [0])
+    assert plan.expert_paths(moe.gate_up_proj, moe.down_proj, [3, 1, 0, 1], packed) == (ours, [0])
     out = moe(x, ids, weights)
-    assert (out - ref).norm() / ref.norm() < 1e-2  # torch's path rounds its two GEMMs' outputs to bf16
+    # torch's bf16 path rounds its two GEMMs' outputs to bf16
+    assert (out - ref).norm() / ref.norm() < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 def test_plan_is_cached_on_disk_and_reused(tmp_path, monkeypatch):
@@ -160,6 +165,26 @@ def test_engine_logs_its_plan_and_batch_invariant_pins_the_kernel(tiny_qwen3_moe
             f"cpu-{EXACT_ISA}"
     finally:
         gemm_plan.PLAN.invariant = False
+
+
+def test_fp32_model_plans_its_fp32_weights_between_our_fp32_kernels_and_torch_fp32(tiny_qwen3_moe, monkeypatch):
+    """An fp32 model's linears and experts have plans of their own ("... (fp32 weights)"), each path one that reads
+    fp32 weights as they are: our kernels that read fp32 activations, or torch's fp32 GEMM; and the engine runs
+    them (its layers' outputs match torch's fp32 GEMMs)."""
+    plan = GemmPlan()
+    monkeypatch.setattr(gemm_plan, "PLAN", plan)
+    monkeypatch.setattr("deepinfer.layers.linear.PLAN", plan)
+    monkeypatch.setattr("deepinfer.layers.moe.PLAN", plan)
+    llm = LLM(tiny_qwen3_moe, dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=8)
+    allowed = set(plan.cpu_paths(torch.float32, rows=gemm_plan.MAX_BUCKET)) | {"torch-fp32"}
+    kinds = {key[0] for key in plan.table}
+    assert {"linear-fp32", "experts-fp32"} <= kinds and not kinds & {"linear", "experts"}, kinds
+    assert all(path in allowed for key, path in plan.table.items() if not key[0].endswith("-layout")), plan.table
+    assert all("(fp32 weights)" in line for line in plan.describe()), plan.describe()
+    layer = llm.engine.model.layers[0]
+    x = torch.randn(5, layer.mlp.experts.gate_up_proj.shape[2])
+    qkv = layer.self_attn.qkv_proj
+    torch.testing.assert_close(qkv(x), F.linear(x, qkv.weight, qkv.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_batch_invariant_request_alone_equals_it_in_a_batch_of_16(tmp_path):

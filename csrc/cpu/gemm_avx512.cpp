@@ -22,10 +22,16 @@
 
 namespace deepinfer {
 
-void gemm_columns_avx512(const float* x, const float* xt, int64_t wide, const uint16_t* w, float* out, int64_t M,
-                         int64_t K, int64_t N, int64_t n0, int64_t n1, bool invariant) {
+template <class W>
+void gemm_columns_avx512(const float* x, const float* xt, int64_t wide, const W* w, float* out, int64_t M, int64_t K,
+                         int64_t N, int64_t n0, int64_t n1, bool invariant) {
   kernel::gemm_columns<Avx512>(x, xt, wide, w, out, M, K, N, n0, n1, invariant);
 }
+
+template void gemm_columns_avx512(const float*, const float*, int64_t, const uint16_t*, float*, int64_t, int64_t,
+                                  int64_t, int64_t, int64_t, bool);
+template void gemm_columns_avx512(const float*, const float*, int64_t, const float*, float*, int64_t, int64_t,
+                                  int64_t, int64_t, int64_t, bool);
 
 }  // namespace deepinfer
 #pragma GCC pop_options

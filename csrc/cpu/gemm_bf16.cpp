@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/bf16.h"
@@ -23,8 +24,9 @@ namespace deepinfer {
 // gemm_avx512.cpp, gemm_avx512bf16.cpp: the same kernel compiled for AVX-512, and with bf16 dot products;
 // gemm_amx.cpp: AMX tiles; pack_x_amx turns xb [Mp, Kp] (M, K rounded up to 16, 32; zero-padded) into the
 // VNNI tiles xv [Mp/16][Kp/32][16][32] that gemm_columns_amx reads.
-void gemm_columns_avx512(const float* x, const float* xt, int64_t wide, const uint16_t* w, float* out, int64_t M,
-                         int64_t K, int64_t N, int64_t n0, int64_t n1, bool invariant);
+template <class W>
+void gemm_columns_avx512(const float* x, const float* xt, int64_t wide, const W* w, float* out, int64_t M, int64_t K,
+                         int64_t N, int64_t n0, int64_t n1, bool invariant);
 void gemm_columns_avx512bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
                              int64_t n0, int64_t n1, bool invariant, bool packed);
 void pack_x_amx(const uint16_t* xb, int64_t Mp, int64_t Kp, uint16_t* xv);
@@ -112,14 +114,18 @@ std::vector<float> transpose_x(const float* x, int64_t M, int64_t K) {
   return xt;
 }
 
-// x_bf16: x rounded to bf16 (for AVX512_BF16, [M, K]; for AMX, in VNNI tiles with k padded to xk).
+// x_bf16: x rounded to bf16 (for AVX512_BF16, [M, K]; for AMX, in VNNI tiles with k padded to xk). fp32 weights
+// (W float) run the fp32 ISAs only, row-major (the bindings refuse any other mode for them).
+template <class W>
 void gemm_columns(GemmMode mode, Isa isa, const float* x, const uint16_t* x_bf16, int64_t xk, const float* xt,
-                  int64_t wide, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  if (isa == Isa::AMX) return gemm_columns_amx(x_bf16, w, out, M, K, xk, N, n0, n1);
-  if (isa == Isa::AVX512_BF16)
-    return gemm_columns_avx512bf16(x_bf16, w, out, M, K, N, n0, n1, mode.invariant, mode.packed);
+                  int64_t wide, const W* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (isa == Isa::AMX) return gemm_columns_amx(x_bf16, w, out, M, K, xk, N, n0, n1);
+    if (isa == Isa::AVX512_BF16)
+      return gemm_columns_avx512bf16(x_bf16, w, out, M, K, N, n0, n1, mode.invariant, mode.packed);
+    if (mode.packed && isa == Isa::AVX2) return kernel::pair_columns<Avx2Pairs>(x, w, out, M, K, N, n0, n1);
+  }
   if (isa == Isa::AVX512) return gemm_columns_avx512(x, xt, wide, w, out, M, K, N, n0, n1, mode.invariant);
-  if (mode.packed) return kernel::pair_columns<Avx2Pairs>(x, w, out, M, K, N, n0, n1);
   kernel::gemm_columns<Avx2>(x, xt, wide, w, out, M, K, N, n0, n1, mode.invariant);
 }
 
@@ -141,8 +147,9 @@ void swiglu_row(const float* gate_up, float* act, int64_t I, float limit) {
 }
 
 // One SwiGLU expert on M rows; scratch holds M * 2I floats.
-void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2, float* y, float* scratch,
-                        int64_t M, int64_t H, int64_t I, float limit, GemmMode mode) {
+template <class W>
+void expert_swiglu(const float* x, const W* w13, const W* w2, float* y, float* scratch, int64_t M, int64_t H,
+                   int64_t I, float limit, GemmMode mode) {
   gemm_bf16(x, false, w13, scratch, M, H, 2 * I, mode, 1);
   // scratch rows are [gate | up]; compact silu(gate) * up into the first I columns of each row
   // (row m's output lands on rows already consumed, so the compaction is safe in place).
@@ -152,10 +159,12 @@ void expert_swiglu_bf16(const float* x, const uint16_t* w13, const uint16_t* w2,
 
 }  // namespace
 
-void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
-               GemmMode mode, int num_threads, const OutputDone& done) {
+template <class W>
+void gemm_bf16(const void* x, bool x_bf16, const W* w, float* out, int64_t M, int64_t K, int64_t N, GemmMode mode,
+               int num_threads, const OutputDone& done) {
   const Isa isa = mode.isa == Isa::AMX && M < AMX_MIN_ROWS && !mode.invariant ? Isa::AVX512_BF16 : mode.isa;
-  const bool pairs = isa == Isa::AVX512_BF16 || isa == Isa::AMX;  // bf16 products: no wide path, x rounded once
+  // bf16 products: no wide path, x rounded once
+  const bool pairs = std::is_same_v<W, uint16_t> && (isa == Isa::AVX512_BF16 || isa == Isa::AMX);
   const bool tiles = isa == Isa::AMX;
   // fp32 rows, for the ISAs that read fp32: bf16 x widened (exact).
   std::vector<float> xf(x_bf16 && !pairs ? static_cast<size_t>(M * K) : 0);
@@ -210,6 +219,11 @@ void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_
   });
 }
 
+template void gemm_bf16(const void*, bool, const uint16_t*, float*, int64_t, int64_t, int64_t, GemmMode, int,
+                        const OutputDone&);
+template void gemm_bf16(const void*, bool, const float*, float*, int64_t, int64_t, int64_t, GemmMode, int,
+                        const OutputDone&);
+
 // In the packed order, one pair (4 bytes) at a time: the packed side is read or written sequentially, the rows
 // side as PAIR_BLOCK row streams.
 void pack_bf16_pairs(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool unpack) {
@@ -223,24 +237,31 @@ void pack_bf16_pairs(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, b
       }
 }
 
-void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,
-                 int64_t K, int64_t N, GemmMode mode, int num_threads) {
+template <class W>
+void linear_bf16(const void* x, const W* w, const W* bias, void* out, bool bf16_io, int64_t M, int64_t K, int64_t N,
+                 GemmMode mode, int num_threads) {
   Scratch<float> of(ScratchUse::LINEAR_OUT, bf16_io ? M * N : 0);  // bf16_io: the fp32 result
   float* op = bf16_io ? of.data() : static_cast<float*>(out);
   // Bias and rounding per output block, on the thread that computed it.
   auto finish = [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (bias)
-        for (int64_t n = n0; n < n1; ++n) op[m * N + n] += from_bf16(bias[n]);
+        for (int64_t n = n0; n < n1; ++n) op[m * N + n] += to_float(bias[n]);
       if (bf16_io) store_row(out, m * N + n0, n1 - n0, true, op + m * N + n0);
     }
   };
   gemm_bf16(x, bf16_io, w, op, M, K, N, mode, num_threads, bias || bf16_io ? OutputDone(finish) : nullptr);
 }
 
+template void linear_bf16(const void*, const uint16_t*, const uint16_t*, void*, bool, int64_t, int64_t, int64_t,
+                          GemmMode, int);
+template void linear_bf16(const void*, const float*, const float*, void*, bool, int64_t, int64_t, int64_t, GemmMode,
+                          int);
+
+template <class W>
 void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint8_t* skip,
-                          const uint16_t* w13, const uint16_t* w2, float* y, int64_t H, int64_t I, float limit,
-                          GemmMode mode, int num_threads) {
+                          const W* w13, const W* w2, float* y, int64_t H, int64_t I, float limit, GemmMode mode,
+                          int num_threads) {
   std::vector<int64_t> active;  // experts this kernel runs
   for (int64_t e = 0; e < num_experts; ++e)
     if (offsets[e + 1] > offsets[e] && !(skip && skip[e])) active.push_back(e);
@@ -252,9 +273,14 @@ void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_ex
   Scratch<float> scratch(ScratchUse::EXPERT_ACT, offsets[num_experts] * 2 * I);
   parallel_for(static_cast<int64_t>(active.size()), std::max(1, num_threads), [&](int64_t i) {
     int64_t e = active[i];
-    expert_swiglu_bf16(x + offsets[e] * H, w13 + e * 2 * I * H, w2 + e * H * I, y + offsets[e] * H,
-                       scratch.data() + offsets[e] * 2 * I, rows(e), H, I, limit, mode);
+    expert_swiglu(x + offsets[e] * H, w13 + e * 2 * I * H, w2 + e * H * I, y + offsets[e] * H,
+                  scratch.data() + offsets[e] * 2 * I, rows(e), H, I, limit, mode);
   });
 }
+
+template void grouped_experts_bf16(const float*, const int64_t*, int64_t, const uint8_t*, const uint16_t*,
+                                   const uint16_t*, float*, int64_t, int64_t, float, GemmMode, int);
+template void grouped_experts_bf16(const float*, const int64_t*, int64_t, const uint8_t*, const float*, const float*,
+                                   float*, int64_t, int64_t, float, GemmMode, int);
 
 }  // namespace deepinfer

@@ -61,23 +61,27 @@ using OutputDone = std::function<void(int64_t m0, int64_t m1, int64_t n0, int64_
 
 // out[M,N] fp32 = x[M,K] @ w[N,K]^T; x fp32, or bf16 when x_bf16 (read as it is by the bf16-pair ISAs, which
 // round fp32 x to bf16 first; widened for the others). done (if set) sees every output element once, in blocks,
-// while their results are still in L2.
-void gemm_bf16(const void* x, bool x_bf16, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
-               GemmMode mode, int num_threads, const OutputDone& done = nullptr);
+// while their results are still in L2. W: uint16_t for bf16 weights; float for fp32 ones (an fp32 model's), which
+// run the fp32 ISAs' kernels (AVX2, AVX-512), row-major.
+template <class W>
+void gemm_bf16(const void* x, bool x_bf16, const W* w, float* out, int64_t M, int64_t K, int64_t N, GemmMode mode,
+               int num_threads, const OutputDone& done = nullptr);
 
-// out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], bf16 or null), accumulated in fp32; x and out are both fp32,
+// out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N] of w's dtype, or null), accumulated in fp32; x and out are both fp32,
 // or both bf16 when bf16_io (widened on entry, rounded to nearest even once on exit: torch's
-// `F.linear(x.float(), w.float(), b.float()).to(bf16)` without its three conversion passes).
-void linear_bf16(const void* x, const uint16_t* w, const uint16_t* bias, void* out, bool bf16_io, int64_t M,
-                 int64_t K, int64_t N, GemmMode mode, int num_threads);
+// `F.linear(x.float(), w.float(), b.float()).to(bf16)` without its three conversion passes). W as gemm_bf16's.
+template <class W>
+void linear_bf16(const void* x, const W* w, const W* bias, void* out, bool bf16_io, int64_t M, int64_t K, int64_t N,
+                 GemmMode mode, int num_threads);
 
 // All experts of one MoE layer: rows [offsets[e], offsets[e+1]) of x (sorted by expert) go through
 // SwiGLU expert e: (silu(min(g, limit)) * clamp(u, -limit, limit)) w2^T with [g | u] = x w13^T
 // (limit = +inf: plain SwiGLU; finite: DeepSeek-V4's swiglu_limit). w13 [E, 2I, H] and w2 [E, H, I]
-// bf16; x, y [S, H] fp32. Experts with skip[e] != 0 (skip may be null) are left to the caller: their
-// rows of y are not written.
+// bf16, or fp32 (W as gemm_bf16's); x, y [S, H] fp32. Experts with skip[e] != 0 (skip may be null) are left to the
+// caller: their rows of y are not written.
+template <class W>
 void grouped_experts_bf16(const float* x, const int64_t* offsets, int64_t num_experts, const uint8_t* skip,
-                          const uint16_t* w13, const uint16_t* w2, float* y, int64_t H, int64_t I, float limit,
-                          GemmMode mode, int num_threads);
+                          const W* w13, const W* w2, float* y, int64_t H, int64_t I, float limit, GemmMode mode,
+                          int num_threads);
 
 }  // namespace deepinfer

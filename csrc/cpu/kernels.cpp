@@ -52,6 +52,23 @@ GemmMode gemm_mode(int id, bool invariant, bool packed = false) {
   throw py::value_error("unknown GEMM kernel id " + std::to_string(id));
 }
 
+// gemm_mode for weights that are fp32 (an fp32 model's) when fp32_weights: only the fp32 ISAs' row-major kernels
+// read those.
+GemmMode weight_mode(int id, bool invariant, bool packed, bool fp32_weights) {
+  GemmMode mode = gemm_mode(id, invariant, packed);
+  if (fp32_weights && (packed || (mode.isa != Isa::AVX2 && mode.isa != Isa::AVX512)))
+    throw py::value_error("fp32 weights run on the avx2 / avx512 kernels, row-major only");
+  return mode;
+}
+
+// f(a, b) with two weight addresses (a matrix and its bias, or two matrices) as typed pointers: float when
+// fp32_weights, else bf16 (uint16_t).
+template <class F>
+void with_weights(uintptr_t a, uintptr_t b, bool fp32_weights, F f) {
+  if (fp32_weights) f(reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b));
+  else f(reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b));
+}
+
 DecodeBatch decode_batch(int64_t T, uintptr_t positions, uintptr_t slots, uintptr_t block_tables, int64_t max_blocks,
                          uintptr_t context_lens) {
   return {T, reinterpret_cast<const int64_t*>(positions), reinterpret_cast<const int64_t*>(slots),
@@ -156,15 +173,17 @@ void bind_cpu_kernels(py::module_& m) {
         "what this CPU and OS support (cpuid / xgetbv), and the GEMM kernels that run here as (name, id), narrowest first");
   m.def(
       "linear_bf16",
-      [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, bool bf16_io, int64_t M, int64_t K, int64_t N,
-         int isa, bool invariant, bool packed, int threads) {
-        GemmMode mode = gemm_mode(isa, invariant, packed);
+      [](uintptr_t x, uintptr_t w, uintptr_t bias, bool fp32_weights, uintptr_t out, bool bf16_io, int64_t M,
+         int64_t K, int64_t N, int isa, bool invariant, bool packed, int threads) {
+        GemmMode mode = weight_mode(isa, invariant, packed, fp32_weights);
         py::gil_scoped_release release;
-        linear_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const uint16_t*>(w),
-                    reinterpret_cast<const uint16_t*>(bias), reinterpret_cast<void*>(out), bf16_io, M, K, N, mode,
-                    threads);
+        with_weights(w, bias, fp32_weights, [&](auto wp, auto biasp) {
+          linear_bf16(reinterpret_cast<const void*>(x), wp, biasp, reinterpret_cast<void*>(out), bf16_io, M, K, N,
+                      mode, threads);
+        });
       },
-      "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N] bf16, 0 for none); x and out both fp32 or both bf16 (bf16_io)");
+      "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], 0 for none); w and bias bf16, or fp32 when fp32_weights; x and out "
+      "both fp32 or both bf16 (bf16_io)");
   m.attr("PAIR_BLOCK") = PAIR_BLOCK;
   m.def("single_panel_stream", &single_panel_stream,
         "Whether packed GEMMs of up to 4 rows read one weight panel at a time (see set_single_panel_stream)");
@@ -192,31 +211,34 @@ void bind_cpu_kernels(py::module_& m) {
       "w [N,K] bf16 -> dst [N/16][K/2][16][2] (the layout packed GEMMs read), or back when unpack");
   m.def(
       "grouped_experts_bf16",
-      [](uintptr_t x, uintptr_t offsets, int64_t E, uintptr_t skip, uintptr_t w13, uintptr_t w2, uintptr_t y,
-         int64_t H, int64_t I, float limit, int isa, bool invariant, bool packed, int threads) {
-        GemmMode mode = gemm_mode(isa, invariant, packed);
+      [](uintptr_t x, uintptr_t offsets, int64_t E, uintptr_t skip, uintptr_t w13, uintptr_t w2, bool fp32_weights,
+         uintptr_t y, int64_t H, int64_t I, float limit, int isa, bool invariant, bool packed, int threads) {
+        GemmMode mode = weight_mode(isa, invariant, packed, fp32_weights);
         py::gil_scoped_release release;
-        grouped_experts_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<const int64_t*>(offsets), E,
-                             reinterpret_cast<const uint8_t*>(skip), reinterpret_cast<const uint16_t*>(w13),
-                             reinterpret_cast<const uint16_t*>(w2), reinterpret_cast<float*>(y), H, I, limit, mode,
-                             threads);
+        with_weights(w13, w2, fp32_weights, [&](auto w13p, auto w2p) {
+          grouped_experts_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<const int64_t*>(offsets), E,
+                               reinterpret_cast<const uint8_t*>(skip), w13p, w2p, reinterpret_cast<float*>(y), H, I,
+                               limit, mode, threads);
+        });
       },
       "y[S,H] fp32: rows offsets[e]..offsets[e+1] of x [S,H] through SwiGLU expert e (w13 [E,2I,H], w2 [E,H,I] "
-      "bf16), gate and up clamped at limit; experts with skip[e] (uint8 [E], 0 for none) left unwritten");
+      "bf16, or fp32 when fp32_weights), gate and up clamped at limit; experts with skip[e] (uint8 [E], 0 for none) "
+      "left unwritten");
   m.def(
       "moe_experts_bf16",
       [](uintptr_t x, uintptr_t ids, uintptr_t weights, bool bf16, int64_t T, int64_t k, int64_t E, uintptr_t skip,
-         uintptr_t w13, uintptr_t w2, uintptr_t y, int64_t H, int64_t I, float limit, int isa, bool invariant,
-         bool packed, int threads) {
-        GemmMode mode = gemm_mode(isa, invariant, packed);
+         uintptr_t w13, uintptr_t w2, bool fp32_weights, uintptr_t y, int64_t H, int64_t I, float limit, int isa,
+         bool invariant, bool packed, int threads) {
+        GemmMode mode = weight_mode(isa, invariant, packed, fp32_weights);
         bool ok;
         {
           py::gil_scoped_release release;
-          ok = moe_experts_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const int64_t*>(ids),
-                                reinterpret_cast<const void*>(weights), bf16, T, k, E,
-                                reinterpret_cast<const uint8_t*>(skip), reinterpret_cast<const uint16_t*>(w13),
-                                reinterpret_cast<const uint16_t*>(w2), reinterpret_cast<float*>(y), H, I, limit,
-                                mode, threads);
+          with_weights(w13, w2, fp32_weights, [&](auto w13p, auto w2p) {
+            ok = moe_experts_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const int64_t*>(ids),
+                                  reinterpret_cast<const void*>(weights), bf16, T, k, E,
+                                  reinterpret_cast<const uint8_t*>(skip), w13p, w2p, reinterpret_cast<float*>(y), H,
+                                  I, limit, mode, threads);
+          });
         }
         if (!ok) throw py::value_error("moe_experts_bf16: topk_ids must lie in [0, " + std::to_string(E) + ")");
       },

@@ -34,9 +34,10 @@ Grouping group_by_expert(const int64_t* ids, int64_t pairs, int64_t E) {
 
 }  // namespace
 
+template <class W>
 bool moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bool bf16, int64_t T, int64_t k,
-                      int64_t E, const uint8_t* skip, const uint16_t* w13, const uint16_t* w2, float* y, int64_t H,
-                      int64_t I, float limit, GemmMode mode, int num_threads) {
+                      int64_t E, const uint8_t* skip, const W* w13, const W* w2, float* y, int64_t H, int64_t I,
+                      float limit, GemmMode mode, int num_threads) {
   const int64_t pairs = T * k;
   for (int64_t f = 0; f < pairs; ++f)
     if (ids[f] < 0 || ids[f] >= E) return false;
@@ -66,5 +67,12 @@ bool moe_experts_bf16(const void* x, const int64_t* ids, const void* weights, bo
   });
   return true;
 }
+
+template bool moe_experts_bf16(const void*, const int64_t*, const void*, bool, int64_t, int64_t, int64_t,
+                               const uint8_t*, const uint16_t*, const uint16_t*, float*, int64_t, int64_t, float,
+                               GemmMode, int);
+template bool moe_experts_bf16(const void*, const int64_t*, const void*, bool, int64_t, int64_t, int64_t,
+                               const uint8_t*, const float*, const float*, float*, int64_t, int64_t, float, GemmMode,
+                               int);
 
 }  // namespace deepinfer

@@ -73,7 +73,7 @@ bool moe_block(const MoeBlock& b, int64_t* counts, const int64_t* log2phy, const
   add_rounded(x, a, false, out, T * H, bf16);  // out holds x1 until the last step
   std::vector<char> h(T * H * elem), logits(T * E * elem);
   rms_norm(out, H, b.norm_w, h.data(), T, H, b.eps, bf16, num_threads);
-  linear_bf16(h.data(), b.gate, nullptr, logits.data(), bf16, T, H, E, b.gate_mode, num_threads);
+  linear_bf16<uint16_t>(h.data(), b.gate, nullptr, logits.data(), bf16, T, H, E, b.gate_mode, num_threads);
   std::vector<int64_t> ids(T * k);
   std::vector<float> weights(T * k), row(E), p(E);
   std::vector<int64_t> order(E);

@@ -9,6 +9,9 @@ from tilelang_ops.args import check_kv_load, check_kv_store, check_sample, check
 
 # Activation dtypes the kernels read and write directly.
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
+# Weight dtypes the GEMM kernels read: bf16, and an fp32 model's fp32 (on the ISAs that read fp32 activations,
+# row-major).
+WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 # Our GEMM kernels that run on this CPU, widest ISA first: {name: id} (gemm_kernels in csrc/cpu/kernels.cpp).
 # A name is an ISA's dot-product tiles ("avx2"), or for the fp32 ISAs "<isa>-panels": the same kernel with
 # 10+ rows on fp32 weight panels (outer products), which is faster on some CPUs and slower on others.
@@ -39,6 +42,12 @@ def _check_vector(t: torch.Tensor | None, name: str, dtype: torch.dtype | tuple,
         _check(t, name, dtype, 1)
         if t.shape != (n,):
             raise ValueError(f"{name}: expected [{n}], got {tuple(t.shape)}")
+
+
+def _check_experts(w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Expert weights w13 [E, 2I, H], w2 [E, H, I]: contiguous, 3 dims, both of one of WEIGHT_DTYPES."""
+    _check(w13, "w13", WEIGHT_DTYPES, 3)
+    _check(w2, f"w2 (as w13, {w13.dtype})", w13.dtype, 3)
 
 
 def _check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, d: int) -> None:
@@ -114,19 +123,20 @@ def pack_in_place(*weights: torch.Tensor) -> None:
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None,
                 invariant: bool = False, packed: bool = False) -> torch.Tensor:
-    """x [..., K] fp32 or bf16; w [N, K] bf16; bias [N] bf16 or None -> [..., N] in x.dtype (fp32
-    accumulation, one rounding to x.dtype). isa: a key of GEMM_ISAS (None: EXACT_ISA); invariant: the
-    same reduction order for every M (batch-invariant results); packed: w is pack_bf16_pairs(...) (isa PACKED_ISA)."""
-    _check(w, "weight", torch.bfloat16, 2)
+    """x [..., K] fp32 or bf16; w [N, K] bf16, or fp32 (an fp32 model's: isa one that reads fp32 activations);
+    bias [N] of w's dtype or None -> [..., N] in x.dtype (fp32 accumulation, one rounding to x.dtype). isa: a key
+    of GEMM_ISAS (None: EXACT_ISA); invariant: the same reduction order for every M (batch-invariant results);
+    packed: w is pack_bf16_pairs(...) (isa PACKED_ISA)."""
+    _check(w, "weight", WEIGHT_DTYPES, 2)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
     if x.dtype not in STREAM_DTYPES:
         raise ValueError(f"input dtype {x.dtype}: the kernel reads {STREAM_DTYPES}")
-    _check_vector(bias, "bias (one per weight output)", torch.bfloat16, n)
+    _check_vector(bias, "bias (one per weight output)", w.dtype, n)
     x2 = x.reshape(-1, k).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    _C.linear_bf16(x2.data_ptr(), w.data_ptr(), _ptr(bias), out.data_ptr(),
+    _C.linear_bf16(x2.data_ptr(), w.data_ptr(), _ptr(bias), w.dtype == torch.float32, out.data_ptr(),
                    x.dtype == torch.bfloat16, x2.shape[0], k, n, _isa_id(isa), invariant, packed,
                    platform.kernel_threads())
     return out.reshape(*x.shape[:-1], n)
@@ -135,14 +145,14 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          limit: float = float("inf"), skip: torch.Tensor | None = None, isa: str | None = None,
                          invariant: bool = False, packed: bool = False) -> torch.Tensor:
-    """x [S, H] fp32 rows sorted by expert; counts [E] rows per expert; w13 [E, 2I, H] bf16 (gate
-    rows, then up); w2 [E, H, I] bf16 -> [S, H] fp32, each row through its expert's SwiGLU with
+    """x [S, H] fp32 rows sorted by expert; counts [E] rows per expert; w13 [E, 2I, H] (gate rows, then up) and
+    w2 [E, H, I], both bf16 or both fp32 (WEIGHT_DTYPES) -> [S, H] fp32, each row through its expert's SwiGLU with
     gate <= limit and |up| <= limit (swiglu_limit; inf: none). skip [E] bool: experts whose rows the
     caller computes (their rows are left unwritten). isa, invariant, packed: as linear_bf16 (a BF16_INPUT_ISAS
-    kernel rounds x and the SwiGLU output to bf16 before each GEMM, as torch's bf16 experts do)."""
+    kernel rounds x and the SwiGLU output to bf16 before each GEMM, as torch's bf16 experts do; fp32 weights take
+    the other ISAs, row-major)."""
     _check(x, "x", torch.float32, 2)
-    _check(w13, "w13", torch.bfloat16, 3)
-    _check(w2, "w2", torch.bfloat16, 3)
+    _check_experts(w13, w2)
     e, two_i, h = w13.shape
     if w2.shape != (e, h, two_i // 2) or x.shape[1] != h or counts.shape != (e,) or int(counts.sum()) != x.shape[0]:
         raise ValueError(f"expert shapes disagree: x {tuple(x.shape)}, counts {tuple(counts.shape)}, "
@@ -153,8 +163,8 @@ def grouped_experts_bf16(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tenso
     torch.cumsum(counts, 0, out=offsets[1:])
     skip8 = None if skip is None else skip.to(torch.uint8).contiguous()
     y = torch.empty_like(x)
-    _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, _ptr(skip8),
-                            w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h, two_i // 2, float(limit), _isa_id(isa),
+    _C.grouped_experts_bf16(x.data_ptr(), offsets.data_ptr(), e, _ptr(skip8), w13.data_ptr(), w2.data_ptr(),
+                            w13.dtype == torch.float32, y.data_ptr(), h, two_i // 2, float(limit), _isa_id(isa),
                             invariant, packed, platform.kernel_threads())
     return y
 
@@ -163,11 +173,11 @@ def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      w2: torch.Tensor, limit: float = float("inf"), skip: torch.Tensor | None = None,
                      isa: str | None = None, invariant: bool = False, packed: bool = False) -> torch.Tensor:
     """x [T, H]; topk_ids [T, k] expert ids; topk_weights [T, k] in x.dtype (fp32 or bf16); w13 [E, 2I, H], w2
-    [E, H, I] bf16 -> [T, H] fp32: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SwiGLU clamped at
-    limit. skip [E] bool: experts the caller adds itself. isa, invariant, packed: as linear_bf16."""
+    [E, H, I] as grouped_experts_bf16's -> [T, H] fp32: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]),
+    SwiGLU clamped at limit. skip [E] bool: experts the caller adds itself. isa, invariant, packed: as
+    grouped_experts_bf16."""
     _check(x, "x", STREAM_DTYPES, 2)
-    _check(w13, "w13", torch.bfloat16, 3)
-    _check(w2, "w2", torch.bfloat16, 3)
+    _check_experts(w13, w2)
     t, h = x.shape
     e, two_i, _ = w13.shape
     ids = topk_ids.to(torch.int64).contiguous()
@@ -181,7 +191,7 @@ def moe_experts_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     skip8 = None if skip is None else skip.to(torch.uint8).contiguous()
     y = torch.empty(t, h)
     _C.moe_experts_bf16(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), x.dtype == torch.bfloat16, t, ids.shape[1],
-                        e, _ptr(skip8), w13.data_ptr(), w2.data_ptr(), y.data_ptr(), h,
+                        e, _ptr(skip8), w13.data_ptr(), w2.data_ptr(), w13.dtype == torch.float32, y.data_ptr(), h,
                         two_i // 2, float(limit), _isa_id(isa), invariant, packed, platform.kernel_threads())
     return y
 

@@ -1,4 +1,4 @@
-"""Which GEMM runs each bf16-weight matmul on this CPU.
+"""Which GEMM runs each bf16-weight matmul on this CPU (and each fp32-weight one of an fp32 model).
 
 Our kernels (csrc/cpu, one source instantiated per ISA) beat torch's bf16 GEMM 2-8x on AVX2-only CPUs.
 On CPUs with AMX tiles torch's oneDNN path was 2.6-6x faster than our vector kernels from 16 rows on; our
@@ -13,7 +13,8 @@ later is calibrated on that call.
 Paths: "cpu-<isa>" (our kernel, keys of cpu_ops.GEMM_ISAS; ISAs in cpu_ops.BF16_INPUT_ISAS for bf16 activations
 only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations only, as it rounds its input and output to
 bf16), "torch-fp32" (F.linear on widened weights: MKL's sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel (each ISA)
-and torch-bf16, by the expert's row count. Weights packed in bf16 pairs (Linear / FusedMoE.pack_weights) have plans
+and torch-bf16, by the expert's row count. An fp32 model's linears and experts ("linear-fp32", "experts-fp32")
+choose between our kernels that read fp32 activations (on the fp32 weights as they are) and torch-fp32. Weights packed in bf16 pairs (Linear / FusedMoE.pack_weights) have plans
 of their own ("linear-packed", "experts-packed"): our packed kernel, or torch on the weight unpacked for the call.
 Whether a shape's weights are packed at all is measured too ("linear-layout", "experts-layout"; packs_linear,
 packs_experts): the engine packs them where their plan runs its steps' row counts faster packed.
@@ -78,10 +79,11 @@ def run_linear(path: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
 
 
 def torch_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    """One SwiGLU expert through torch's bf16 GEMM: x [M, H] fp32, w13 [2I, H], w2 [H, I] -> [M, H] fp32."""
-    gate, up = F.linear(x.to(torch.bfloat16), w13).float().chunk(2, dim=-1)
+    """One SwiGLU expert through torch's GEMM in the weights' dtype (bf16: oneDNN, x rounded to bf16; fp32: MKL):
+    x [M, H] fp32, w13 [2I, H], w2 [H, I] -> [M, H] fp32."""
+    gate, up = F.linear(x.to(w13.dtype), w13).float().chunk(2, dim=-1)
     act = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-    return F.linear(act.to(torch.bfloat16), w2).float()
+    return F.linear(act.to(w2.dtype), w2).float()
 
 
 def cold_copies(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
@@ -152,13 +154,13 @@ class GemmPlan:
     # -- lookups --------------------------------------------------------------------------------------
 
     def linear_path(self, dtype: torch.dtype, m: int, w: torch.Tensor, packed: bool = False) -> str:
-        """The path for x [m, K] of dtype @ w [N, K]^T (packed: w in bf16 pairs)."""
+        """The path for x [m, K] of dtype @ w [N, K]^T (w bf16, packed: in bf16 pairs; or fp32)."""
         if self.invariant:
             return self._invariant_path(dtype, packed)
         if dtype not in cpu_ops.STREAM_DTYPES:
             return "torch-fp32"
         self._load()
-        key = _key(_kind("linear", packed), dtype, *w.shape, bucket(m))
+        key = _key(_kind("linear", packed, w.dtype), dtype, *w.shape, bucket(m))
         if key not in self.table:
             self._calibrate_linear(dtype, w, [bucket(m)], packed)
             self.model_shapes.add(key[:-1])
@@ -173,27 +175,28 @@ class GemmPlan:
 
     def expert_paths(self, w13: torch.Tensor, w2: torch.Tensor, counts: list[int],
                      packed: bool = False) -> tuple[str, list[int]]:
-        """w13 [E, 2I, H], w2 [E, H, I] (packed: in bf16 pairs), counts [E] rows per expert -> (our grouped
-        kernel's path, the experts that run through torch-bf16 instead). One call runs one ISA: the one chosen for
-        the busiest expert our kernel keeps (the ISAs differ most at many rows; below 3 rows AMX runs dot products)."""
+        """w13 [E, 2I, H], w2 [E, H, I] bf16 (packed: in bf16 pairs) or fp32, counts [E] rows per expert -> (our
+        grouped kernel's path, the experts that run through torch's GEMM instead: torch-bf16, or torch-fp32 for fp32
+        weights). One call runs one ISA: the one chosen for the busiest expert our kernel keeps (the ISAs differ most
+        at many rows; below 3 rows AMX runs dot products)."""
         if self.invariant:
             return self._invariant_path(torch.bfloat16, packed), []
         self._load()
-        kind, shape = _kind("experts", packed), _expert_shape(w13)
+        kind, shape = _kind("experts", packed, w13.dtype), _expert_shape(w13)
         missing = sorted({bucket(c) for c in counts if c and _key(kind, *shape, bucket(c)) not in self.table})
         if missing:
             self._calibrate_experts(w13, w2, missing, packed)
             self.model_shapes.add((kind, *shape))
         paths = [self.table[_key(kind, *shape, bucket(c))] if c else None for c in counts]
         ours = [(c, p) for c, p in zip(counts, paths) if p is not None and p.startswith("cpu-")]
-        kernel = max(ours)[1] if ours else self.cpu_paths(packed=packed)[0]
-        return kernel, [e for e, p in enumerate(paths) if p == "torch-bf16"]
+        kernel = max(ours)[1] if ours else self.cpu_paths(w13.dtype, packed=packed)[0]
+        return kernel, [e for e, p in enumerate(paths) if p is not None and p.startswith("torch-")]
 
     # -- calibration ----------------------------------------------------------------------------------
 
     def prepare(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int, decode_rows: int) -> None:
-        """Calibrates every bf16 Linear and FusedMoE of the model (activations in dtype) for the row counts
-        of decode steps (1..decode_rows, torch on one thread) and of prefill steps (1..max_rows, inside
+        """Calibrates every Linear and FusedMoE of the model (bf16 or fp32 weights; activations in dtype) for the row
+        counts of decode steps (1..decode_rows, torch on one thread) and of prefill steps (1..max_rows, inside
         platform.torch_parallel()), then logs the plan."""
         if self.invariant:
             logger.info("GEMM plan: batch-invariant, every GEMM on %s (%s)", self.invariant_path(), platform.cpu_flags())
@@ -219,15 +222,15 @@ class GemmPlan:
         self._load()
         seen = set()
         for mod in model.modules():
-            if isinstance(mod, Linear) and mod.weight.dtype == torch.bfloat16:
+            if isinstance(mod, Linear) and mod.weight.dtype in cpu_ops.WEIGHT_DTYPES:
                 w = mod.weight.data
-                head = (_kind("linear", mod.packed), dtype, *w.shape)
+                head = (_kind("linear", mod.packed, w.dtype), dtype, *w.shape)
                 if head not in seen:
                     seen.add(head)
                     self._calibrate_linear(dtype, w, [b for b in todo if _key(*head, b) not in self.table], mod.packed)
-            elif isinstance(mod, FusedMoE) and mod.gate_up_proj.dtype == torch.bfloat16:
+            elif isinstance(mod, FusedMoE):
                 w13, w2 = mod.gate_up_proj.data, mod.down_proj.data
-                head = (_kind("experts", mod.packed), *_expert_shape(w13))
+                head = (_kind("experts", mod.packed, w13.dtype), *_expert_shape(w13))
                 if head not in seen:
                     seen.add(head)
                     self._calibrate_experts(w13, w2, [b for b in todo if _key(*head, b) not in self.table], mod.packed)
@@ -246,23 +249,26 @@ class GemmPlan:
         chosen = {layout: {} for layout in layouts}
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(dtype)
-            paths = {layout: self.cpu_paths(dtype, m, layout) + (["torch-bf16"] if dtype == torch.bfloat16 else [])
-                     + ["torch-fp32"] for layout in layouts}
+            bf16 = dtype == w.dtype == torch.bfloat16
+            paths = {layout: self.cpu_paths(dtype, m, layout) + (["torch-bf16"] if bf16 else []) + ["torch-fp32"]
+                     for layout in layouts}
             times = fastest({(i, p): (lambda i=i, p=p, layout=layout: run_linear(p, x, next(ring)[i][0], None,
                                                                                   packed=layout))
                              for i, layout in enumerate(layouts) for p in paths[layout]})[1]
-            self._keep(times, layouts, lambda layout: _key(_kind("linear", layout), dtype, n, k, m), chosen)
+            self._keep(times, layouts, lambda layout: _key(_kind("linear", layout, w.dtype), dtype, n, k, m), chosen)
         self._save()
         return chosen
 
     def _calibrate_experts(self, w13: torch.Tensor, w2: torch.Tensor, rows: list[int], packed: bool = False,
                            also_packed: bool = False) -> dict[bool, dict[int, float]]:
         """Times one expert per thread (our kernel gives each thread whole experts) at each row count, on
-        each of our ISAs and torch's bf16 GEMM; a row count's choice is its fastest. -> {packed: {rows: seconds of
-        the path chosen}}. packed: the experts are in bf16 pairs, timed on our packed kernel against torch on each
-        expert unpacked for the call (as FusedMoE runs them). also_packed: they are row-major and are timed packed
-        too (packed copies), both layouts in one interleaved race."""
+        each of our ISAs and torch's GEMM (bf16; fp32 for fp32 weights, on which our fp32 ISAs run); a row count's
+        choice is its fastest. -> {packed: {rows: seconds of the path chosen}}. packed: the experts are in bf16
+        pairs, timed on our packed kernel against torch on each expert unpacked for the call (as FusedMoE runs
+        them). also_packed: they are row-major and are timed packed too (packed copies), both layouts in one
+        interleaved race."""
         e, two_i, h = w13.shape
+        torch_path = "torch-fp32" if w13.dtype == torch.float32 else "torch-bf16"
         n_exp = min(e, platform.kernel_threads())
         layouts = _layouts(packed, also_packed)
         ring = _ring(rows, [w13[:n_exp], w2[:n_exp]], layouts, packed)
@@ -282,8 +288,8 @@ class GemmPlan:
                                  cpu_ops.row_major(w2s[j], layouts[i]), math.inf)
 
             times = fastest({(i, p): (lambda i=i, p=p: run(i, p)) for i, layout in enumerate(layouts)
-                             for p in self.cpu_paths(rows=m, packed=layout) + ["torch-bf16"]})[1]
-            self._keep(times, layouts, lambda layout: _key(_kind("experts", layout), h, two_i, m), chosen)
+                             for p in self.cpu_paths(w13.dtype, m, layout) + [torch_path]})[1]
+            self._keep(times, layouts, lambda layout: _key(_kind("experts", layout, w13.dtype), h, two_i, m), chosen)
         self._save()
         return chosen
 
@@ -407,9 +413,9 @@ def _threads() -> tuple[int, int]:
 
 
 def _key(kind: str, *parts) -> tuple:
-    """("linear" / "linear-packed", x dtype, N, K, rows) or ("experts" / "experts-packed", H, 2I, rows): a lookup
-    per GEMM call, so a plain tuple. "linear-layout" / "experts-layout" keys end in the largest row bucket and map
-    to "packed <ratio>" or "row-major <ratio>" (_packs)."""
+    """("linear" / "linear-packed" / "linear-fp32", x dtype, N, K, rows) or ("experts" / "experts-packed" /
+    "experts-fp32", H, 2I, rows): a lookup per GEMM call, so a plain tuple. "linear-layout" / "experts-layout" keys end in the largest row
+    bucket and map to "packed <ratio>" or "row-major <ratio>" (_packs)."""
     return (kind, *parts)
 
 
@@ -427,9 +433,10 @@ def _decode(text: str) -> tuple:
 
 def _label(head: str) -> str:
     """"linear|bfloat16|1536|1024" -> "linear bfloat16 N 1536 K 1024"; "experts|1024|1024" -> "experts H 1024 2I 1024";
-    "experts-packed|..." -> "experts H .. 2I .. (packed)"; "experts-layout|..." -> "experts H .. 2I .. layout"."""
+    "experts-packed|..." -> "experts H .. 2I .. (packed)"; "experts-layout|..." -> "experts H .. 2I .. layout";
+    "experts-fp32|..." -> "experts H .. 2I .. (fp32 weights)"."""
     p = head.split("|")
-    packed = {"packed": " (packed)", "layout": " layout"}.get(p[0].rpartition("-")[2], "")
+    packed = {"packed": " (packed)", "layout": " layout", "fp32": " (fp32 weights)"}.get(p[0].rpartition("-")[2], "")
     if p[0].startswith("linear"):
         return f"linear {p[1]} N {p[2]} K {p[3]}{packed}"
     return f"experts H {p[1]} 2I {p[2]}{packed}"
@@ -452,9 +459,9 @@ def _ring(rows: list[int], weights: list[torch.Tensor], layouts: list[bool], pac
     return itertools.cycle([tuple(c[i * per:(i + 1) * per] for i in range(len(layouts))) for c in cold_copies(*forms)])
 
 
-def _kind(base: str, packed: bool) -> str:
-    """A key's kind: "linear" / "experts", with "-packed" for weights in bf16 pairs."""
-    return f"{base}-packed" if packed else base
+def _kind(base: str, packed: bool, dtype: torch.dtype = torch.bfloat16) -> str:
+    """A key's kind: "linear" / "experts", with "-packed" for weights in bf16 pairs, "-fp32" for fp32 weights."""
+    return f"{base}-packed" if packed else f"{base}-fp32" if dtype == torch.float32 else base
 
 
 def _expert_shape(w13: torch.Tensor) -> tuple[int, int]:

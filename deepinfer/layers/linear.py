@@ -1,5 +1,5 @@
-"""Linear layers: bf16 CPU weights go the path the GEMM plan measured fastest for the shape (our
-kernels, or torch's own bf16 / fp32 GEMM)."""
+"""Linear layers: bf16 CPU weights (and an fp32 model's fp32 ones) go the path the GEMM plan measured fastest for
+the shape (our kernels, or torch's own bf16 / fp32 GEMM)."""
 import collections
 
 import torch
@@ -12,7 +12,7 @@ from deepinfer.layers.gemm_plan import PLAN, run_linear
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias); packed: weight is cpu_ops.pack_bf16_pairs(...)."""
-    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+    if weight.dtype in cpu_ops.WEIGHT_DTYPES and weight.device.type == "cpu":
         path = PLAN.linear_path(x.dtype, x.numel() // max(x.shape[-1], 1), weight, packed)
         return run_linear(path, x, weight, bias, PLAN.invariant, packed)
     return F.linear(x, weight, bias)

@@ -3,7 +3,6 @@ matmul over its group. Never a per-token loop."""
 import itertools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.layers import cpu_ops
@@ -14,7 +13,7 @@ from deepinfer.layers.gemm_plan import PLAN, torch_expert
 class FusedMoE(nn.Module):
     """num_experts SwiGLU experts. gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
     limit: DeepSeek-V4's swiglu_limit (gate clamped above, up clamped both ways); None for none.
-    Expert outputs are computed and summed in fp32."""
+    dtype: bf16, or fp32 (an fp32 model's; cpu_ops.WEIGHT_DTYPES). Expert outputs are computed and summed in fp32."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
                  limit: float | None = None):
@@ -41,8 +40,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_ids, topk_weights [T, k] -> [T, H] = sum_k w * expert_k(x)."""
-        if self.gate_up_proj.dtype == torch.bfloat16 and cpu_ops.fast_path(x):
-            return self._forward_bf16(x, topk_ids, topk_weights).to(x.dtype)
+        if cpu_ops.fast_path(x):
+            return self._forward_fused(x, topk_ids, topk_weights).to(x.dtype)
         k = topk_ids.shape[1]
         flat = topk_ids.flatten()
         order = flat.argsort(stable=True)
@@ -65,24 +64,23 @@ class FusedMoE(nn.Module):
         return {"gate_up_proj": self.gate_up_proj.data, "down_proj": self.down_proj.data}
 
     def _run_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """grouped [S, H] fp32 rows sorted by expert, counts [E] -> [S, H] fp32 expert outputs."""
+        """grouped [S, H] fp32 rows sorted by expert, counts [E] -> [S, H] fp32 expert outputs. Our grouped kernel
+        runs every expert except those the GEMM plan sends to torch's GEMM (on CPUs where it wins at their row
+        counts)."""
         limit = float("inf") if self.limit is None else self.limit
-        if self.gate_up_proj.dtype == torch.bfloat16:
-            return self._run_bf16(grouped.contiguous(), counts, limit)
-        out = torch.empty_like(grouped)
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            end = start + count
-            if count:
-                gate, up = F.linear(grouped[start:end], self.gate_up_proj[expert].float()).chunk(2, dim=-1)
-                act = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-                out[start:end] = F.linear(act, self.down_proj[expert].float())
-            start = end
+        count_list = counts.tolist()
+        kernel, via_torch, skip = self._plan(count_list)
+        out = grouped_experts_bf16(grouped.contiguous(), counts, self.gate_up_proj, self.down_proj, limit, skip=skip,
+                                   isa=kernel[4:], invariant=PLAN.invariant, packed=self.packed)
+        starts = [0] + list(itertools.accumulate(count_list))
+        for e in via_torch:
+            rows = slice(starts[e], starts[e + 1])
+            out[rows] = torch_expert(grouped[rows], *self.expert_weights(e), limit)
         return out
 
-    def _forward_bf16(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """forward's grouping, experts and weighted sum in one C++ call -> [T, H] fp32; the experts the GEMM
-        plan sends to torch's bf16 GEMM are added after it."""
+        plan sends to torch's GEMM are added after it."""
         limit = float("inf") if self.limit is None else self.limit
         counts = torch.bincount(topk_ids.flatten(), minlength=self.num_experts).tolist()
         kernel, via_torch, skip = self._plan(counts)
@@ -95,27 +93,14 @@ class FusedMoE(nn.Module):
         return y
 
     def _plan(self, counts: list[int]) -> tuple[str, list[int], torch.Tensor | None]:
-        """counts [E] rows per expert -> (our kernel's path, the experts the GEMM plan sends to torch's bf16
-        GEMM, those experts as a skip mask [E] for our kernel or None)."""
+        """counts [E] rows per expert -> (our kernel's path, the experts the GEMM plan sends to torch's GEMM,
+        those experts as a skip mask [E] for our kernel or None)."""
         kernel, via_torch = PLAN.expert_paths(self.gate_up_proj, self.down_proj, counts, self.packed)
         skip = None
         if via_torch:
             skip = torch.zeros(self.num_experts, dtype=torch.bool)
             skip[via_torch] = True
         return kernel, via_torch, skip
-
-    def _run_bf16(self, grouped: torch.Tensor, counts: torch.Tensor, limit: float) -> torch.Tensor:
-        """Our grouped kernel runs every expert except those the GEMM plan sends to torch's bf16 GEMM
-        (on CPUs where it wins at their row counts)."""
-        count_list = counts.tolist()
-        kernel, via_torch, skip = self._plan(count_list)
-        out = grouped_experts_bf16(grouped, counts, self.gate_up_proj, self.down_proj, limit, skip=skip,
-                                   isa=kernel[4:], invariant=PLAN.invariant, packed=self.packed)
-        starts = [0] + list(itertools.accumulate(count_list))
-        for e in via_torch:
-            rows = slice(starts[e], starts[e + 1])
-            out[rows] = torch_expert(grouped[rows], *self.expert_weights(e), limit)
-        return out
 
 
 class RoutedMoE(nn.Module):

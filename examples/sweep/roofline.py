@@ -57,7 +57,7 @@ def gemv_reader(n: int, k: int, threads: int):
     _, isa, packed = gemv_kernel()
 
     def read(w_ptr: int) -> None:
-        _C.linear_bf16(x.data_ptr(), w_ptr, 0, out.data_ptr(), False, 1, k, n, isa, False, packed, threads)
+        _C.linear_bf16(x.data_ptr(), w_ptr, 0, False, out.data_ptr(), False, 1, k, n, isa, False, packed, threads)
     return read
 
 
