@@ -1,15 +1,16 @@
 """Decode ms per step on the medium Qwen3-MoE shape at batch 1, 16 and 64 (64 prompt + 64 new
 tokens, greedy, ignore EOS), deepinfer beside transformers' generate on the same checkpoint in the
-same run, plus the machine's floor. Writes the table into docs/benchmarks.md.
+same run, plus the machine's floor. Writes the table into docs/benchmarks.md. --dtype float32 runs both in fp32
+(the checkpoint's bf16 weights widened; its own section).
 
-    python examples/bench_medium_moe.py [--batches 1 16 64] [--threads 1] [--skip-hf]
+    python examples/bench_medium_moe.py [--batches 1 16 64] [--threads 1] [--skip-hf] [--dtype float32]
 """
 import argparse
 import time
 
 import torch
 
-from deepinfer import LLM, SamplingParams, _C, platform
+from deepinfer import LLM, SamplingParams, platform
 from deepinfer.docs import write_section
 from deepinfer.layers import gemm_plan
 from examples.make_medium_qwen3_moe import make
@@ -20,9 +21,10 @@ from examples.sweep.roofline import measure
 PROMPT, NEW = 64, 64
 
 
-def medium_llm(path: str, batches: list[int], threads: int, **options) -> LLM:
-    """The medium checkpoint at `path` in bf16, sized for batches of up to max(batches) PROMPT + NEW tokens."""
-    return LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=max(batches), kv_cache_memory=512 << 20,
+def medium_llm(path: str, batches: list[int], threads: int, dtype: str = "bfloat16", **options) -> LLM:
+    """The medium checkpoint at `path` (in bf16 by default), sized for batches of up to max(batches) PROMPT + NEW
+    tokens."""
+    return LLM(path, dtype=dtype, max_model_len=256, max_num_seqs=max(batches), kv_cache_memory=512 << 20,
                num_threads=threads, **options)
 
 
@@ -77,10 +79,11 @@ def hf_decode_ms(model, batch: int, vocab: int) -> float:
     return 1000 * (times[NEW] - times[1]) / (NEW - 1)
 
 
-def floor_ms(path: str, batch: int, rates: dict) -> float:
-    """The sweep's floor of one decode step (examples/sweep/model_cost.py): bf16 weights some token
-    touches plus the KV at the mean decode context, over bandwidth, or FLOPs over the matmul rate."""
-    cost = decode_step_cost(shape(load_config(path)), batch, PROMPT + NEW / 2, 2, 2)
+def floor_ms(path: str, batch: int, rates: dict, elem_bytes: int = 2) -> float:
+    """The sweep's floor of one decode step (examples/sweep/model_cost.py): the weights some token
+    touches plus the KV at the mean decode context (elem_bytes each: 2 in bf16, 4 in fp32), over bandwidth, or FLOPs
+    over the matmul rate."""
+    cost = decode_step_cost(shape(load_config(path)), batch, PROMPT + NEW / 2, elem_bytes, elem_bytes)
     return metrics.floor_ms(cost["bytes"], cost["flops"], rates["bandwidth"], rates["matmul"])["ms"]
 
 
@@ -89,35 +92,39 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     path = make()
     rates = measure(args.threads)
+    dtype = getattr(torch, args.dtype)
     # The engine sets the process-wide thread count transformers runs with too.
-    llm = medium_llm(path, args.batches, args.threads)
+    llm = medium_llm(path, args.batches, args.threads, args.dtype)
     cfg = llm.engine.hf_config
     ours = {b: deepinfer_decode_ms(llm, b) for b in args.batches}
     del llm
     hf = {}
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         hf = {b: hf_decode_ms(model, b, cfg.vocab_size) for b in args.batches}
     rows = ["| batch | floor ms | deepinfer ms | transformers ms | speedup vs transformers | deepinfer / floor |",
             "|---|---|---|---|---|---|"]
     for b in args.batches:
-        fl = floor_ms(path, b, rates)
+        fl = floor_ms(path, b, rates, dtype.itemsize)
         h = hf.get(b)
         rows.append(f"| {b} | {fl:.1f} | {ours[b]:.1f} | {h:.1f} | {h / ours[b]:.2f}x | {ours[b] / fl:.2f} |" if h else
                     f"| {b} | {fl:.1f} | {ours[b]:.1f} | - | - | {ours[b] / fl:.2f} |")
     table = "\n".join(rows) + "\n\n" + gemm_plan.PLAN.report()
     print(table)
     header = (f"Medium Qwen3-MoE (vocab 32000, hidden 1024, 16 layers, 16/4 heads of 64, 32 experts top-4, "
-              f"moe_intermediate 512, bf16), {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per "
+              f"moe_intermediate 512, {args.dtype}), {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per "
               f"step; torch threads = {args.threads}. Floor from rates measured in the same run: read "
               f"{rates['bandwidth'] / 1e9:.1f} GB/s, matmul {rates['matmul'] / 1e9:.0f} GFLOP/s "
               f"(`{platform.cpu_flags()}`).\n\n"
-              f"    python examples/bench_medium_moe.py --threads {args.threads}\n\n")
-    write_section("Engine core: medium Qwen3-MoE decode", header + table)
+              f"    python examples/bench_medium_moe.py --threads {args.threads}"
+              f"{'' if dtype == torch.bfloat16 else ' --dtype ' + args.dtype}\n\n")
+    title = "Engine core: medium Qwen3-MoE decode" + ("" if dtype == torch.bfloat16 else f" ({args.dtype})")
+    write_section(title, header + table)
 
 
 if __name__ == "__main__":

@@ -167,10 +167,12 @@ def test_engine_logs_its_plan_and_batch_invariant_pins_the_kernel(tiny_qwen3_moe
         gemm_plan.PLAN.invariant = False
 
 
-def test_fp32_model_plans_its_fp32_weights_between_our_fp32_kernels_and_torch_fp32(tiny_qwen3_moe, monkeypatch):
+def test_fp32_model_plans_its_fp32_weights_between_our_fp32_kernels_and_torch_fp32(tiny_qwen3_moe, tmp_path,
+                                                                                    monkeypatch):
     """An fp32 model's linears and experts have plans of their own ("... (fp32 weights)"), each path one that reads
     fp32 weights as they are: our kernels that read fp32 activations, or torch's fp32 GEMM; and the engine runs
     them (its layers' outputs match torch's fp32 GEMMs)."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))  # no plan cached by other tests
     plan = GemmPlan()
     monkeypatch.setattr(gemm_plan, "PLAN", plan)
     monkeypatch.setattr("deepinfer.layers.linear.PLAN", plan)

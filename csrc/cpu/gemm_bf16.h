@@ -6,7 +6,8 @@
 // From ~10 rows and 256 outputs on (batched decode) it is compute-bound instead: weight blocks are
 // widened once into fp32 panels that outer-product tiles read with nothing but FMAs on the FP pipes
 // (~1.5x the FLOP rate). On CPUs with bf16 instructions torch's oneDNN GEMM can be faster: the
-// caller (deepinfer/layers/gemm_plan.py) measures both and picks per shape.
+// caller (deepinfer/layers/gemm_plan.py) measures both and picks per shape. An fp32 model's fp32 weights run
+// the same tiles and panels (no widening), where torch's fp32 GEMM repacks the weights on every call.
 #include <cstdint>
 #include <functional>
 
