@@ -5,8 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, SamplingParams, _C
 from deepinfer.models.deepseek_v4 import mtp_checkpoint_tensors
+from deepinfer.spec_decode import speculator
 from test_deepseek_v4 import SWA, _rewrite_checkpoint, hf_greedy, make_checkpoint, prompt_of, randomize_, tiny_config
 
 
@@ -125,13 +126,16 @@ def test_mtp_drafts_match_a_cache_free_reference(ckpt, chunk):
 
 
 @pytest.mark.parametrize("k, verify, calibrate", [(2, "all", False), (4, "greedy", True)])
-def test_greedy_mtp_speculation_is_lossless(ckpt, k, verify, calibrate):
+def test_greedy_mtp_speculation_is_lossless(ckpt, k, verify, calibrate, monkeypatch):
+    """The step-time curve is a fixed gentle slope, as in test_spec_v4: "greedy" verifies a draft only where the
+    curve says it pays, and this tiny model's measured curve (~10 ms steps) is noise on a shared 2-vCPU box (2 query
+    rows measured 1.0-1.4x one row's time, and once verified none). The greedy against a curve is tested in
+    test_spec.py; here drafts must be verified."""
+    monkeypatch.setattr(speculator, "step_time_curve",
+                        lambda engine, k: _C.StepTimeCurve([1.0, 64.0], [1.0, 1.63]))
     path, hf, _, _ = ckpt
     prompts = [prompt_of(5, 50), prompt_of(21, 51), prompt_of(40, 52)]
     refs = [hf_greedy(hf, p, 20) for p in prompts]
-    # One thread: "greedy" verifies a draft only where the measured step-time curve says it pays, and on
-    # one thread a tiny model's extra query rows cost next to nothing; split over the kernel pool, the
-    # curve of so small a model is noise and may verify none.
     llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=4, num_threads=1,
               speculative={"method": "mtp", "num_draft_tokens": k, "verify": verify, "calibrate": calibrate})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
