@@ -42,12 +42,18 @@ def _save_tokenizer(path: str, vocab_size: int) -> None:
 
 def tiny_experts_plan_label(llm=None) -> str | tuple[str, str]:
     """The tiny Qwen3-MoE's experts as the GEMM plan names them in llm's engine: packed or not, as the engine
-    measured (their shapes are multiples of 16); without llm both names (an engine in another process)."""
+    measured (their shapes are multiples of 16), or fp32 weights (an fp32 engine's); without llm every name (an
+    engine in another process)."""
+    import torch
+
     from deepinfer.layers.moe import FusedMoE
-    names = ("experts H 64 2I 64 (packed)", "experts H 64 2I 64")
+    names = ("experts H 64 2I 64 (packed)", "experts H 64 2I 64 (fp32 weights)", "experts H 64 2I 64")
     if llm is None:
         return names
-    return names[0] if any(m.packed for m in llm.engine.model.modules() if isinstance(m, FusedMoE)) else names[1]
+    moe = [m for m in llm.engine.model.modules() if isinstance(m, FusedMoE)]
+    if any(m.packed for m in moe):
+        return names[0]
+    return names[1] if moe[0].gate_up_proj.dtype == torch.float32 else names[2]
 
 
 def assert_logprobs_alike(got: list, want: list, abs_tol: float) -> None:
