@@ -13,11 +13,12 @@ from tests.conftest import our_kernel_path
 T, HIDDEN, H, HKV, D, BS, BLOCKS = 5, 64, 4, 2, 16, 4, 12
 
 
-def inputs(dtype, qk_norm, seed=0):
+def inputs(dtype, qk_norm, seed=0, weight_dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     w = dict(x=r(T, HIDDEN).to(dtype), norm_w=(1 + 0.1 * r(HIDDEN)).to(dtype),
-             qkv_w=(r((H + 2 * HKV) * D, HIDDEN) * 0.2).bfloat16(), o_w=(r(HIDDEN, H * D) * 0.2).bfloat16(),
+             qkv_w=(r((H + 2 * HKV) * D, HIDDEN) * 0.2).to(weight_dtype),
+             o_w=(r(HIDDEN, H * D) * 0.2).to(weight_dtype),
              q_norm=(1 + 0.1 * r(D)).to(dtype) if qk_norm else None, k_norm=(1 + 0.1 * r(D)).to(dtype) if qk_norm else None,
              k_cache=r(BLOCKS, BS, HKV, D).to(dtype), v_cache=r(BLOCKS, BS, HKV, D).to(dtype))
     lens = torch.tensor([1, 4, 5, 9, 12])
@@ -48,15 +49,18 @@ def fused(w, meta, isa, rotary):
                                    meta["context_lens"], weights)
 
 
-# Every ISA this CPU runs, for bf16 activations; fp32 activations only on the ISAs that read them exactly.
-CASES = [(isa, torch.bfloat16, True) for isa in GEMM_ISAS] + \
-    [(isa, torch.float32, False) for isa in GEMM_ISAS if isa not in cpu_ops.BF16_INPUT_ISAS]
+# Every ISA this CPU runs, for bf16 activations; fp32 activations only on the ISAs that read them exactly, over bf16
+# weights or an fp32 model's fp32 ones.
+FP32_ISAS = [isa for isa in GEMM_ISAS if isa not in cpu_ops.BF16_INPUT_ISAS]
+CASES = [(isa, torch.bfloat16, True, torch.bfloat16) for isa in GEMM_ISAS] + \
+    [(isa, torch.float32, False, torch.bfloat16) for isa in FP32_ISAS] + \
+    [(isa, torch.float32, qk_norm, torch.float32) for isa in FP32_ISAS for qk_norm in (False, True)]
 
 
-@pytest.mark.parametrize("isa,dtype,qk_norm", CASES)
-def test_fused_attention_half_is_bit_identical_to_the_kernels_it_chains(isa, dtype, qk_norm):
+@pytest.mark.parametrize("isa,dtype,qk_norm,weight_dtype", CASES)
+def test_fused_attention_half_is_bit_identical_to_the_kernels_it_chains(isa, dtype, qk_norm, weight_dtype):
     rotary = RotaryEmbedding(D, 64, 10000.0)
-    w, meta = inputs(dtype, qk_norm)
+    w, meta = inputs(dtype, qk_norm, weight_dtype=weight_dtype)
     w2 = {k: v.clone() if v is not None else None for k, v in w.items()}
     ref = unfused(w, meta, isa, rotary, dtype)
     out = fused(w2, meta, isa, rotary)
@@ -97,14 +101,15 @@ def test_padding_block_inside_a_context_is_refused():
         fused(w, {**meta, "block_tables": tables}, cpu_ops.EXACT_ISA, rotary)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_moe"])
-def test_engine_bf16_outputs_equal_without_fusion(fixture, request, monkeypatch):
+def test_engine_outputs_equal_without_fusion(fixture, dtype, request, monkeypatch):
     path = request.getfixturevalue(fixture)
     prompts = [[5, 6, 7, 8, 9], [12, 13], [40, 41, 42, 43, 44, 45, 46, 47]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 
     def run():
-        outs = LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False)
+        outs = LLM(path, dtype=dtype, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
     # Every linear on our kernel: the fused path needs it, and the unfused run must round as the fused one

@@ -11,11 +11,11 @@ from deepinfer.models.qwen3_moe import SparseMoeBlock
 from tests.conftest import our_expert_paths, our_kernel_path
 
 
-def make_block(dtype, seed=0, experts=8, top_k=2, hidden=64, inter=32):
+def make_block(dtype, seed=0, experts=8, top_k=2, hidden=64, inter=32, weight_dtype=torch.bfloat16):
     cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
                          num_experts_per_tok=top_k, norm_topk_prob=True, rms_norm_eps=1e-6)
     g = torch.Generator().manual_seed(seed)
-    block, norm = SparseMoeBlock(cfg, torch.bfloat16), RMSNorm(hidden, 1e-6).to(dtype)
+    block, norm = SparseMoeBlock(cfg, weight_dtype), RMSNorm(hidden, 1e-6).to(dtype)
     with torch.no_grad():
         block.gate.weight.copy_(torch.randn(block.gate.weight.shape, generator=g))
         block.experts.gate_up_proj.copy_(torch.randn(block.experts.gate_up_proj.shape, generator=g) * 0.2)
@@ -51,9 +51,11 @@ def test_fused_half_layer_matches_the_torch_modules(t, packed, monkeypatch):
     assert (fused != ref).float().mean() < 0.01
 
 
-def test_fp32_activations_match_the_torch_modules():
-    """fp32 activations over bf16 weights, on the exact (fp32-input) kernels."""
-    block, norm = make_block(torch.float32)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_fp32_activations_match_the_torch_modules(weight_dtype):
+    """fp32 activations over bf16 weights, or over fp32 ones (an fp32 model's), on the exact (fp32-input)
+    kernels."""
+    block, norm = make_block(torch.float32, weight_dtype=weight_dtype)
     g = torch.Generator().manual_seed(7)
     x, a = (torch.randn(9, 64, generator=g) for _ in range(2))
     isa = cpu_ops.EXACT_ISA

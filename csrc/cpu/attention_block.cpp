@@ -26,7 +26,9 @@ AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, voi
   char* q = qkv + T * qkv_width * elem;
   char* attn = q + T * q_width * elem;
   rms_norm(x, b.hidden, b.norm_w, h, T, b.hidden, b.eps, bf16, num_threads);
-  linear_bf16(h, b.qkv, b.qkv_bias, qkv, bf16, T, b.hidden, qkv_width, b.qkv_mode, num_threads);
+  with_weights(b.qkv, b.qkv_bias, b.fp32_weights, [&](auto w, auto bias) {
+    linear_bf16(h, w, bias, qkv, bf16, T, b.hidden, qkv_width, b.qkv_mode, num_threads);
+  });
   if (!qk_norm_rope_store(qkv, qkv_width, T, b.heads, b.kv_heads, D, b.q_norm, b.k_norm, b.qk_eps, b.cos, b.sin,
                           b.num_positions, batch.positions, b.k_cache, b.v_cache, b.num_blocks * b.block_size, batch.slots,
                           q, bf16, num_threads))
@@ -34,7 +36,9 @@ AttentionBlockStatus attention_block(const AttentionBlock& b, const void* x, voi
   paged_decode_attention(q, b.k_cache, b.v_cache, block_tables, context_lens, b.scale, attn, bf16, T,
                          b.heads, b.kv_heads, D, b.block_size, max_blocks, num_threads,
                          decode_attention_isa(bf16, D));
-  linear_bf16(attn, b.o, b.o_bias, out, bf16, T, q_width, b.hidden, b.o_mode, num_threads);
+  with_weights(b.o, b.o_bias, b.fp32_weights, [&](auto w, auto bias) {
+    linear_bf16(attn, w, bias, out, bf16, T, q_width, b.hidden, b.o_mode, num_threads);
+  });
   return AttentionBlockStatus::OK;
 }
 

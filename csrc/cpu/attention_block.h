@@ -15,8 +15,9 @@ struct AttentionBlock {
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
   const void* norm_w = nullptr;  // [hidden] input RMSNorm weight (activation dtype)
   float eps = 0.0f;
-  const uint16_t* qkv = nullptr;       // [(heads + 2 kv_heads) head_dim, hidden] bf16
-  const uint16_t* qkv_bias = nullptr;  // or null
+  bool fp32_weights = false;       // qkv, o and their biases fp32 (an fp32 model's), not bf16
+  const void* qkv = nullptr;       // [(heads + 2 kv_heads) head_dim, hidden]
+  const void* qkv_bias = nullptr;  // or null
   GemmMode qkv_mode;
   const void* q_norm = nullptr;  // [head_dim] (activation dtype) or null: no q/k norm
   const void* k_norm = nullptr;
@@ -27,8 +28,8 @@ struct AttentionBlock {
   void* k_cache = nullptr;  // [num_blocks, block_size, kv_heads, head_dim] (activation dtype)
   void* v_cache = nullptr;
   int64_t num_blocks = 0, block_size = 0;
-  const uint16_t* o = nullptr;       // [hidden, heads head_dim] bf16
-  const uint16_t* o_bias = nullptr;  // or null
+  const void* o = nullptr;       // [hidden, heads head_dim]
+  const void* o_bias = nullptr;  // or null
   GemmMode o_mode;
   float scale = 0.0f;
 };

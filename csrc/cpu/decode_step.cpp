@@ -26,8 +26,9 @@ void run_head(const DecodeHead& head, const void* h, float* logits, int64_t T, i
       for (; n < n1; ++n) row[n] = round_to(row[n], true);
     }
   };
-  gemm_bf16(normed.data(), bf16, head.lm_head, logits, T, hidden, V, head.mode, num_threads,
-            bf16 ? OutputDone(round) : nullptr);
+  with_weights(head.lm_head, nullptr, head.fp32_weights, [&](auto w, auto) {
+    gemm_bf16(normed.data(), bf16, w, logits, T, hidden, V, head.mode, num_threads, bf16 ? OutputDone(round) : nullptr);
+  });
 }
 
 // x [T, hidden] = embed[ids]; returns the first row whose id is outside [0, rows), or -1 (x then complete).

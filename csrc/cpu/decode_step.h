@@ -23,13 +23,14 @@ struct DecoderLayer {
   const int64_t* log2phy = nullptr;
 };
 
-// The model's final RMSNorm (norm_w [hidden], the activations' dtype) and LM head (lm_head [vocab, hidden] bf16
-// on `mode`) after the last layer: each logit rounded to the activations' dtype and kept in fp32, the bits of
-// the unfused lm_head(norm(h)).float().
+// The model's final RMSNorm (norm_w [hidden], the activations' dtype) and LM head (lm_head [vocab, hidden] bf16,
+// or fp32 when fp32_weights, on `mode`) after the last layer: each logit rounded to the activations' dtype and kept
+// in fp32, the bits of the unfused lm_head(norm(h)).float().
 struct DecodeHead {
   const void* norm_w = nullptr;
   float eps = 0.0f;
-  const uint16_t* lm_head = nullptr;
+  const void* lm_head = nullptr;
+  bool fp32_weights = false;
   int64_t vocab = 0;
   GemmMode mode;
 };

@@ -75,6 +75,15 @@ template <class W>
 void linear_bf16(const void* x, const W* w, const W* bias, void* out, bool bf16_io, int64_t M, int64_t K, int64_t N,
                  GemmMode mode, int num_threads);
 
+// f(a, b) with two weight addresses (a matrix and its bias, or two matrices; either may be null) typed as what
+// they hold: fp32 (float) when fp32_weights, else bf16 (uint16_t). For weights held untyped by the fused blocks
+// and the bindings.
+template <class F>
+void with_weights(const void* a, const void* b, bool fp32_weights, F f) {
+  if (fp32_weights) f(static_cast<const float*>(a), static_cast<const float*>(b));
+  else f(static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b));
+}
+
 // All experts of one MoE layer: rows [offsets[e], offsets[e+1]) of x (sorted by expert) go through
 // SwiGLU expert e: (silu(min(g, limit)) * clamp(u, -limit, limit)) w2^T with [g | u] = x w13^T
 // (limit = +inf: plain SwiGLU; finite: DeepSeek-V4's swiglu_limit). w13 [E, 2I, H] and w2 [E, H, I]

@@ -61,14 +61,6 @@ GemmMode weight_mode(int id, bool invariant, bool packed, bool fp32_weights) {
   return mode;
 }
 
-// f(a, b) with two weight addresses (a matrix and its bias, or two matrices) as typed pointers: float when
-// fp32_weights, else bf16 (uint16_t).
-template <class F>
-void with_weights(uintptr_t a, uintptr_t b, bool fp32_weights, F f) {
-  if (fp32_weights) f(reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b));
-  else f(reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b));
-}
-
 DecodeBatch decode_batch(int64_t T, uintptr_t positions, uintptr_t slots, uintptr_t block_tables, int64_t max_blocks,
                          uintptr_t context_lens) {
   return {T, reinterpret_cast<const int64_t*>(positions), reinterpret_cast<const int64_t*>(slots),
@@ -177,7 +169,8 @@ void bind_cpu_kernels(py::module_& m) {
          int64_t K, int64_t N, int isa, bool invariant, bool packed, int threads) {
         GemmMode mode = weight_mode(isa, invariant, packed, fp32_weights);
         py::gil_scoped_release release;
-        with_weights(w, bias, fp32_weights, [&](auto wp, auto biasp) {
+        with_weights(reinterpret_cast<const void*>(w), reinterpret_cast<const void*>(bias), fp32_weights,
+                     [&](auto wp, auto biasp) {
           linear_bf16(reinterpret_cast<const void*>(x), wp, biasp, reinterpret_cast<void*>(out), bf16_io, M, K, N,
                       mode, threads);
         });
@@ -215,7 +208,8 @@ void bind_cpu_kernels(py::module_& m) {
          uintptr_t y, int64_t H, int64_t I, float limit, int isa, bool invariant, bool packed, int threads) {
         GemmMode mode = weight_mode(isa, invariant, packed, fp32_weights);
         py::gil_scoped_release release;
-        with_weights(w13, w2, fp32_weights, [&](auto w13p, auto w2p) {
+        with_weights(reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2), fp32_weights,
+                     [&](auto w13p, auto w2p) {
           grouped_experts_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<const int64_t*>(offsets), E,
                                reinterpret_cast<const uint8_t*>(skip), w13p, w2p, reinterpret_cast<float*>(y), H, I,
                                limit, mode, threads);
@@ -233,7 +227,8 @@ void bind_cpu_kernels(py::module_& m) {
         bool ok;
         {
           py::gil_scoped_release release;
-          with_weights(w13, w2, fp32_weights, [&](auto w13p, auto w2p) {
+          with_weights(reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2), fp32_weights,
+                       [&](auto w13p, auto w2p) {
             ok = moe_experts_bf16(reinterpret_cast<const void*>(x), reinterpret_cast<const int64_t*>(ids),
                                   reinterpret_cast<const void*>(weights), bf16, T, k, E,
                                   reinterpret_cast<const uint8_t*>(skip), w13p, w2p, reinterpret_cast<float*>(y), H,
@@ -249,42 +244,45 @@ void bind_cpu_kernels(py::module_& m) {
                        uintptr_t qkv, uintptr_t qkv_bias, int qkv_isa, uintptr_t q_norm, uintptr_t k_norm, float qk_eps,
                        uintptr_t cos, uintptr_t sin, int64_t num_positions, uintptr_t k_cache, uintptr_t v_cache,
                        int64_t num_blocks, int64_t block_size, uintptr_t o, uintptr_t o_bias, int o_isa, float scale,
-                       bool invariant, bool qkv_packed, bool o_packed) {
+                       bool invariant, bool qkv_packed, bool o_packed, bool fp32_weights) {
         AttentionBlock b;
         b.hidden = hidden, b.heads = heads, b.kv_heads = kv_heads, b.head_dim = head_dim;
         b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
-        b.qkv = reinterpret_cast<const uint16_t*>(qkv), b.qkv_bias = reinterpret_cast<const uint16_t*>(qkv_bias);
-        b.qkv_mode = gemm_mode(qkv_isa, invariant, qkv_packed);
+        b.qkv = reinterpret_cast<const void*>(qkv), b.qkv_bias = reinterpret_cast<const void*>(qkv_bias);
+        b.qkv_mode = weight_mode(qkv_isa, invariant, qkv_packed, fp32_weights), b.fp32_weights = fp32_weights;
         b.q_norm = reinterpret_cast<const void*>(q_norm), b.k_norm = reinterpret_cast<const void*>(k_norm);
         b.qk_eps = qk_eps, b.cos = reinterpret_cast<const float*>(cos), b.sin = reinterpret_cast<const float*>(sin);
         b.num_positions = num_positions, b.k_cache = reinterpret_cast<void*>(k_cache);
         b.v_cache = reinterpret_cast<void*>(v_cache), b.num_blocks = num_blocks, b.block_size = block_size;
-        b.o = reinterpret_cast<const uint16_t*>(o), b.o_bias = reinterpret_cast<const uint16_t*>(o_bias);
-        b.o_mode = gemm_mode(o_isa, invariant, o_packed), b.scale = scale;
+        b.o = reinterpret_cast<const void*>(o), b.o_bias = reinterpret_cast<const void*>(o_bias);
+        b.o_mode = weight_mode(o_isa, invariant, o_packed, fp32_weights), b.scale = scale;
         return b;
       }));
   py::class_<MoeBlock>(m, "MoeBlock", "a Qwen3-MoE layer's second-half weights, checked by cpu_ops.moe_block_weights")
       .def(py::init([](int64_t H, int64_t I, uintptr_t norm_w, float eps, uintptr_t gate, int64_t num_logical,
                        int64_t top_k, bool renorm, int gate_isa, int64_t num_physical, uintptr_t w13, uintptr_t w2,
-                       const std::vector<int>& expert_isa, bool invariant, bool packed, bool gate_packed) {
+                       const std::vector<int>& expert_isa, bool invariant, bool packed, bool gate_packed,
+                       bool fp32_weights) {
         MoeBlock b;
         b.H = H, b.I = I, b.norm_w = reinterpret_cast<const void*>(norm_w), b.eps = eps;
-        b.gate = reinterpret_cast<const uint16_t*>(gate), b.num_logical = num_logical, b.top_k = top_k;
-        b.renorm = renorm, b.gate_mode = gemm_mode(gate_isa, invariant, gate_packed);
-        b.num_physical = num_physical, b.w13 = reinterpret_cast<const uint16_t*>(w13);
-        b.w2 = reinterpret_cast<const uint16_t*>(w2), b.invariant = invariant, b.packed = packed;
-        for (int isa : expert_isa) gemm_mode(isa, invariant, packed);  // each must run on this CPU and these weights
+        b.gate = reinterpret_cast<const void*>(gate), b.num_logical = num_logical, b.top_k = top_k;
+        b.renorm = renorm, b.gate_mode = weight_mode(gate_isa, invariant, gate_packed, fp32_weights);
+        b.num_physical = num_physical, b.w13 = reinterpret_cast<const void*>(w13);
+        b.w2 = reinterpret_cast<const void*>(w2), b.invariant = invariant, b.packed = packed;
+        b.fp32_weights = fp32_weights;
+        // each must run on this CPU and these weights
+        for (int isa : expert_isa) weight_mode(isa, invariant, packed, fp32_weights);
         if (expert_isa.empty()) throw py::value_error("moe_block: expert_isa is empty");
         b.expert_isa = expert_isa;
         return b;
       }));
   py::class_<DecodeHead>(m, "DecodeHead", "a model's final norm and LM head, checked by cpu_ops.decode_head_weights")
       .def(py::init([](uintptr_t norm_w, float eps, uintptr_t lm_head, int64_t vocab, int isa, bool invariant,
-                       bool packed) {
+                       bool packed, bool fp32_weights) {
         DecodeHead h;
         h.norm_w = reinterpret_cast<const void*>(norm_w), h.eps = eps;
-        h.lm_head = reinterpret_cast<const uint16_t*>(lm_head), h.vocab = vocab;
-        h.mode = gemm_mode(isa, invariant, packed);
+        h.lm_head = reinterpret_cast<const void*>(lm_head), h.vocab = vocab, h.fp32_weights = fp32_weights;
+        h.mode = weight_mode(isa, invariant, packed, fp32_weights);
         return h;
       }));
   m.def(

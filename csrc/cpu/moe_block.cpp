@@ -73,7 +73,9 @@ bool moe_block(const MoeBlock& b, int64_t* counts, const int64_t* log2phy, const
   add_rounded(x, a, false, out, T * H, bf16);  // out holds x1 until the last step
   std::vector<char> h(T * H * elem), logits(T * E * elem);
   rms_norm(out, H, b.norm_w, h.data(), T, H, b.eps, bf16, num_threads);
-  linear_bf16<uint16_t>(h.data(), b.gate, nullptr, logits.data(), bf16, T, H, E, b.gate_mode, num_threads);
+  with_weights(b.gate, nullptr, b.fp32_weights, [&](auto gate, auto no_bias) {
+    linear_bf16(h.data(), gate, no_bias, logits.data(), bf16, T, H, E, b.gate_mode, num_threads);
+  });
   std::vector<int64_t> ids(T * k);
   std::vector<float> weights(T * k), row(E), p(E);
   std::vector<int64_t> order(E);
@@ -93,9 +95,12 @@ bool moe_block(const MoeBlock& b, int64_t* counts, const int64_t* log2phy, const
   std::vector<char> w(T * k * elem);
   store_row(w.data(), 0, T * k, bf16, weights.data());
   std::vector<float> y(T * H);
-  if (!moe_experts_bf16(h.data(), ids.data(), w.data(), bf16, T, k, b.num_physical, nullptr, b.w13, b.w2, y.data(), H,
-                        b.I, INFINITY, expert_mode(b, ids), num_threads))
-    return false;
+  bool ok = false;
+  with_weights(b.w13, b.w2, b.fp32_weights, [&](auto w13, auto w2) {
+    ok = moe_experts_bf16(h.data(), ids.data(), w.data(), bf16, T, k, b.num_physical, nullptr, w13, w2, y.data(), H,
+                          b.I, INFINITY, expert_mode(b, ids), num_threads);
+  });
+  if (!ok) return false;
   add_rounded(out, y.data(), true, out, T * H, bf16);
   return true;
 }

@@ -202,8 +202,8 @@ def attention_block_weights(norm_w: torch.Tensor, eps: float, qkv_w: torch.Tenso
                             o_w: torch.Tensor, o_bias: torch.Tensor | None, o_isa: str, num_heads: int, scale: float,
                             invariant: bool = False, qkv_packed: bool = False, o_packed: bool = False) -> tuple:
     """Checks a decoder layer's attention weights once and returns them as attention_block's `weights`: norm_w
-    [hidden]; qkv_w [(H + 2 Hkv) D, hidden], o_w [hidden, H D] bf16 (biases bf16 or None; qkv_packed / o_packed:
-    the weight is pack_bf16_pairs(...)) on qkv_isa / o_isa
+    [hidden]; qkv_w [(H + 2 Hkv) D, hidden], o_w [hidden, H D] both bf16 or both fp32 (WEIGHT_DTYPES; biases of
+    their dtype or None; qkv_packed / o_packed: the weight is pack_bf16_pairs(...)) on qkv_isa / o_isa
     (keys of GEMM_ISAS); q_norm, k_norm [D] or None; cos, sin [positions, D] fp32; k_cache, v_cache [blocks,
     block_size, Hkv, D]. Norm weights and caches share the activations' dtype (fp32/bf16). The tensors must
     outlive every call that is given the result."""
@@ -214,11 +214,12 @@ def attention_block_weights(norm_w: torch.Tensor, eps: float, qkv_w: torch.Tenso
     h, hidden = num_heads, norm_w.shape[0]
     for name, w, n in (("norm_w", norm_w, hidden), ("q_norm", q_norm, d), ("k_norm", k_norm, d)):
         _check_vector(w, name, dtype, n)
+    _check(qkv_w, "qkv weight", WEIGHT_DTYPES, 2)
     for name, w, b, shape in (("qkv", qkv_w, qkv_bias, ((h + 2 * hkv) * d, hidden)), ("o", o_w, o_bias, (hidden, h * d))):
-        _check(w, f"{name} weight", torch.bfloat16, 2)
+        _check(w, f"{name} weight (as qkv's)", qkv_w.dtype, 2)
         if w.shape != shape:
             raise ValueError(f"{name}: expected weight {shape}, got {tuple(w.shape)}")
-        _check_vector(b, f"{name} bias", torch.bfloat16, shape[0])
+        _check_vector(b, f"{name} bias", qkv_w.dtype, shape[0])
     _check_rope_tables(cos, sin, d)
     if v_cache.shape != k_cache.shape or h % hkv or d % 2:
         raise ValueError(f"attention_block: {h} heads over caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
@@ -226,7 +227,8 @@ def attention_block_weights(norm_w: torch.Tensor, eps: float, qkv_w: torch.Tenso
                                             _ptr(qkv_bias), _isa_id(qkv_isa), _ptr(q_norm), _ptr(k_norm), float(qk_eps),
                                             cos.data_ptr(), sin.data_ptr(), cos.shape[0], k_cache.data_ptr(),
                                             v_cache.data_ptr(), blocks, block_size, o_w.data_ptr(), _ptr(o_bias),
-                                            _isa_id(o_isa), float(scale), invariant, qkv_packed, o_packed)
+                                            _isa_id(o_isa), float(scale), invariant, qkv_packed, o_packed,
+                                            qkv_w.dtype == torch.float32)
 
 
 def attention_block(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -268,14 +270,14 @@ def moe_block_weights(norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_
                       w13: torch.Tensor, w2: torch.Tensor, gate_isa: str, expert_isas: list[str],
                       invariant: bool = False, packed: bool = False, gate_packed: bool = False) -> tuple:
     """Checks a Qwen3-MoE layer's second-half weights once and returns them as moe_block's `weights`: norm_w [H]
-    (the activations' dtype, fp32/bf16); the softmax top_k router gate [E_logical, H] bf16 (renormalised when
-    renorm) on gate_isa; experts w13 [E, 2I, H], w2 [E, H, I] bf16; expert_isas[i]: the grouped kernel's ISA
+    (the activations' dtype, fp32/bf16); the softmax top_k router gate [E_logical, H] (renormalised when renorm) on
+    gate_isa; experts w13 [E, 2I, H], w2 [E, H, I]; gate and experts all bf16 or all fp32 (WEIGHT_DTYPES);
+    expert_isas[i]: the grouped kernel's ISA
     when the busiest expert has 2^i.. rows (ISAs: keys of GEMM_ISAS); packed, gate_packed: the experts, the router
     are pack_bf16_pairs(...). The tensors must outlive the result's use."""
     _check(norm_w, "norm_w", STREAM_DTYPES, 1)
-    _check(gate, "gate", torch.bfloat16, 2)
-    _check(w13, "w13", torch.bfloat16, 3)
-    _check(w2, "w2", torch.bfloat16, 3)
+    _check_experts(w13, w2)
+    _check(gate, f"gate (as w13, {w13.dtype})", w13.dtype, 2)
     h = norm_w.shape[0]
     e, two_i, _ = w13.shape
     if gate.shape[1] != h or w13.shape[2] != h or w2.shape != (e, h, two_i // 2) or not 0 < top_k <= gate.shape[0] \
@@ -285,7 +287,7 @@ def moe_block_weights(norm_w: torch.Tensor, eps: float, gate: torch.Tensor, top_
     return norm_w.dtype, h, gate.shape[0], _C.MoeBlock(h, two_i // 2, norm_w.data_ptr(), float(eps), gate.data_ptr(),
                                                       gate.shape[0], top_k, renorm, _isa_id(gate_isa), e, w13.data_ptr(),
                                                       w2.data_ptr(), [_isa_id(i) for i in expert_isas], invariant,
-                                                      packed, gate_packed)
+                                                      packed, gate_packed, w13.dtype == torch.float32)
 
 
 def moe_block(x: torch.Tensor, a: torch.Tensor, weights: tuple, counts: torch.Tensor | None = None,
@@ -315,14 +317,15 @@ def _load_pointers(moe_weights: tuple, counts: torch.Tensor | None, log2phy: tor
 def decode_head_weights(norm_w: torch.Tensor, eps: float, lm_head: torch.Tensor, isa: str, invariant: bool = False,
                         packed: bool = False) -> tuple:
     """Checks a model's final RMSNorm and LM head once and returns them as decoder_stack's `head`: norm_w [hidden]
-    (the activations' dtype, fp32/bf16); lm_head [vocab, hidden] bf16 on isa (a key of GEMM_ISAS; packed: it is
-    pack_bf16_pairs(...)). The tensors must outlive the result's use."""
+    (the activations' dtype, fp32/bf16); lm_head [vocab, hidden] bf16 or fp32 on isa (a key of GEMM_ISAS; packed:
+    it is pack_bf16_pairs(...)). The tensors must outlive the result's use."""
     _check(norm_w, "norm_w", STREAM_DTYPES, 1)
-    _check(lm_head, "lm_head", torch.bfloat16, 2)
+    _check(lm_head, "lm_head", WEIGHT_DTYPES, 2)
     if lm_head.shape[1] != norm_w.shape[0]:
         raise ValueError(f"decode head: lm_head {tuple(lm_head.shape)} does not take norm_w {tuple(norm_w.shape)}")
     return norm_w.dtype, norm_w.shape[0], lm_head.shape[0], _C.DecodeHead(
-        norm_w.data_ptr(), float(eps), lm_head.data_ptr(), lm_head.shape[0], _isa_id(isa), invariant, packed)
+        norm_w.data_ptr(), float(eps), lm_head.data_ptr(), lm_head.shape[0], _isa_id(isa), invariant, packed,
+        lm_head.dtype == torch.float32)
 
 
 def decoder_stack(embed: torch.Tensor, layers: list[tuple], head: tuple | None = None) -> tuple:

@@ -83,7 +83,7 @@ class Attention(nn.Module):
         return self._fused_weights[key]
 
     def _fused_weights_for(self, x: torch.Tensor, norm: RMSNorm) -> tuple | None:
-        if self.qkv_proj.weight.dtype != torch.bfloat16 \
+        if self.qkv_proj.weight.dtype not in cpu_ops.WEIGHT_DTYPES \
                 or not cpu_ops.fast_path(x, norm.weight, self.k_cache, self.v_cache, *self._norm_weights()):
             return None
         qkv = PLAN.linear_path(x.dtype, x.shape[0], self.qkv_proj.weight, self.qkv_proj.packed)
@@ -294,7 +294,8 @@ class LlamaForCausalLM(nn.Module):
         """cpu_ops.decode_head_weights for inputs like x, or None: weights torch multiplies, activations our norm
         does not take, or a GEMM plan that picked torch for this row count."""
         weight, packed = self._lm_weight()
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not cpu_ops.fast_path(x, self.norm.weight):
+        if weight.dtype not in cpu_ops.WEIGHT_DTYPES or weight.device.type != "cpu" \
+                or not cpu_ops.fast_path(x, self.norm.weight):
             return None
         path = PLAN.linear_path(x.dtype, x.shape[0], weight, packed)
         if not path.startswith("cpu-"):

@@ -53,11 +53,11 @@ class SparseMoeBlock(RoutedMoE):
         return recorder.step_counts(self.moe_index), self.eplb.placement.primary_rows[self.moe_index]
 
     def _fused_weights_for(self, x: torch.Tensor, norm: RMSNorm) -> tuple | None:
-        """cpu_ops.moe_block_weights where the C++ half-layer can run: CPU bf16 weights, no swiglu limit, and a
+        """cpu_ops.moe_block_weights where the C++ half-layer can run: CPU bf16 or fp32 weights, no swiglu limit, and a
         GEMM plan that keeps every expert row count on our kernels. The router GEMM (E x H, tiny) runs on our
         fastest kernel where the plan timed torch's faster: its call overhead, which that timing saw, is gone."""
         experts = self.experts
-        if experts.gate_up_proj.dtype != torch.bfloat16 or experts.limit is not None \
+        if experts.gate_up_proj.dtype not in cpu_ops.WEIGHT_DTYPES or experts.limit is not None \
                 or not cpu_ops.fast_path(x, norm.weight):
             return None
         rows = x.shape[0]
