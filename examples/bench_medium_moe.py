@@ -53,18 +53,20 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
 
 
 def deepinfer_decode_ms(llm: LLM, batch: int) -> float:
-    """Mean wall time of the decode steps (schedule + forward + sample + output processing)."""
+    """Mean wall time of the decode steps (schedule + forward + sample + output processing): the engine's calls
+    that only decode, after the first, over the decode steps they ran (one call runs up to num_scheduler_steps)."""
     engine = llm.engine
     for i, p in enumerate(prompts(batch, engine.vocab_size)):
         engine.add_request(f"b{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
-    decode = []
+    seconds, steps = [], []
     while engine.has_unfinished():
-        t = time.perf_counter()
+        t, before = time.perf_counter(), engine.num_steps["decode"]
         is_decode = engine.scheduler.num_waiting == 0
         engine.step()
         if is_decode:
-            decode.append(time.perf_counter() - t)
-    return 1000 * sum(decode[1:]) / len(decode[1:])
+            seconds.append(time.perf_counter() - t)
+            steps.append(engine.num_steps["decode"] - before)
+    return 1000 * sum(seconds[1:]) / sum(steps[1:])
 
 
 def hf_decode_ms(model, batch: int, vocab: int) -> float:
