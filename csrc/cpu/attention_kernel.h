@@ -14,19 +14,10 @@
 
 #include "cpu/bf16.h"
 #include "cpu/simd.h"
+#include "cpu/vec_load.h"
 
 namespace deepinfer {
 namespace attn {
-
-// A vector of LANES elements of a row at p, as fp32.
-template <class V>
-typename V::reg load_elems(const float* p) {
-  return V::load(p);
-}
-template <class V>
-typename V::reg load_elems(const uint16_t* p) {
-  return V::load_bf16(p);
-}
 
 // scale * (q[h] . row r) in lane h * R + r, for HP heads q [HP, D] and R = 8 / HP rows, row r at base + rows[r] (D
 // elements): eight accumulators, each row vector loaded once for all HP heads (HP 4 needs 6 loads per 8 FMAs

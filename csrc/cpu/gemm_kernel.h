@@ -14,6 +14,7 @@
 
 #include "cpu/bf16.h"
 #include "cpu/gemm_bf16.h"
+#include "cpu/vec_load.h"
 
 namespace deepinfer {
 namespace kernel {
@@ -24,15 +25,6 @@ namespace kernel {
 // 17-21 GB/s and ran 4-8 rows per expert 1.7-2x faster (306 -> 181 us per expert at 8 rows).
 constexpr int TILE_PREFETCH_BLOCKS = 2;
 
-// A weight vector as fp32 (an element: to_float in bf16.h).
-template <class V>
-typename V::wreg load_w(const uint16_t* p) {
-  return V::load_bf16(p);
-}
-template <class V>
-typename V::wreg load_w(const float* p) {
-  return V::load(p);
-}
 // Elements of W per 64-byte cache line.
 template <class W>
 constexpr int64_t LINE_ELEMS = 64 / sizeof(W);
@@ -55,7 +47,7 @@ void tile(const typename V::xtype* x, const W* w, float* out, int64_t m0, int64_
     typename V::wreg wv[C];
     if (prefetch && k % LINE_ELEMS<W> == 0)
       for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + c * K + k), _MM_HINT_T1);
-    for (int c = 0; c < C; ++c) wv[c] = load_w<V>(w + (n0 + c) * K + k);
+    for (int c = 0; c < C; ++c) wv[c] = load_elems<V>(w + (n0 + c) * K + k);
     for (int r = 0; r < R; ++r) {
       typename V::xreg xv = V::load_x(x + (m0 + r) * K + k);
       for (int c = 0; c < C; ++c) acc[r][c] = V::fma(xv, wv[c], acc[r][c]);
@@ -112,12 +104,12 @@ void stream_rows(const typename V::xtype* x, const W* w, float* out, int64_t K, 
       for (int line = 0; prefetch && line < L * A * static_cast<int>(sizeof(W)); line += 64)
         if (ahead + line < end) _mm_prefetch(ahead + line, _MM_HINT_T0);
       for (int a = 0; a < A; ++a) {
-        typename V::wreg wv = load_w<V>(row + k + L * a);
+        typename V::wreg wv = load_elems<V>(row + k + L * a);
         for (int r = 0; r < R; ++r) acc[r][a] = V::fma(V::load_x(x + r * K + k + L * a), wv, acc[r][a]);
       }
     }
     for (; k + L <= K; k += L) {
-      typename V::wreg wv = load_w<V>(row + k);
+      typename V::wreg wv = load_elems<V>(row + k);
       for (int r = 0; r < R; ++r) acc[r][0] = V::fma(V::load_x(x + r * K + k), wv, acc[r][0]);
     }
     for (int r = 0; r < R; ++r) {
@@ -182,7 +174,7 @@ void wide_tile(const float* xt, const float* panel, int64_t K, float (*acc_out)[
 template <class V, class W>
 void widen_rows(const W* w, float* panel, int64_t rows, int64_t K) {
   int64_t i = 0;
-  for (; i + V::LANES <= rows * K; i += V::LANES) V::store(panel + i, load_w<V>(w + i));
+  for (; i + V::LANES <= rows * K; i += V::LANES) V::store(panel + i, load_elems<V>(w + i));
   for (; i < rows * K; ++i) panel[i] = to_float(w[i]);
 }
 
