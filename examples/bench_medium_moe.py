@@ -119,8 +119,8 @@ def main():
     table = "\n".join(rows) + "\n\n" + gemm_plan.PLAN.report()
     print(table)
     header = (f"Medium Qwen3-MoE (vocab 32000, hidden 1024, 16 layers, 16/4 heads of 64, 32 experts top-4, "
-              f"moe_intermediate 512, {args.dtype}), {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode ms per "
-              f"step; torch threads = {args.threads}. Floor from rates measured in the same run: read "
+              f"moe_intermediate 512, {args.dtype}), {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode "
+              f"ms per step; torch threads = {args.threads}. Floor from rates measured in the same run: read "
               f"{rates['bandwidth'] / 1e9:.1f} GB/s, matmul {rates['matmul'] / 1e9:.0f} GFLOP/s "
               f"(`{platform.cpu_flags()}`).\n\n"
               f"    python examples/bench_medium_moe.py --threads {args.threads}"

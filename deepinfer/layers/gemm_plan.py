@@ -12,9 +12,10 @@ later is calibrated on that call.
 
 Paths: "cpu-<isa>" (our kernel, keys of cpu_ops.GEMM_ISAS; ISAs in cpu_ops.BF16_INPUT_ISAS for bf16 activations
 only), "torch-bf16" (F.linear on bf16 operands: oneDNN; bf16 activations only, as it rounds its input and output to
-bf16), "torch-fp32" (F.linear on widened weights: MKL's sgemm, which wins at prefill-sized M on AVX2). Experts choose per expert between our grouped kernel (each ISA)
-and torch-bf16, by the expert's row count. An fp32 model's linears and experts ("linear-fp32", "experts-fp32")
-choose between our kernels that read fp32 activations (on the fp32 weights as they are) and torch-fp32. Weights packed in bf16 pairs (Linear / FusedMoE.pack_weights) have plans
+bf16), "torch-fp32" (F.linear on widened weights: MKL's sgemm, which wins at prefill-sized M on AVX2). Experts
+choose per expert between our grouped kernel (each ISA) and torch-bf16, by the expert's row count. An fp32 model's
+linears and experts ("linear-fp32", "experts-fp32") choose between our kernels that read fp32 activations (on the
+fp32 weights as they are) and torch-fp32. Weights packed in bf16 pairs (Linear / FusedMoE.pack_weights) have plans
 of their own ("linear-packed", "experts-packed"): our packed kernel, or torch on the weight unpacked for the call.
 Whether a shape's weights are packed at all is measured too ("linear-layout", "experts-layout"; packs_linear,
 packs_experts): the engine packs them where their plan runs its steps' row counts faster packed.
@@ -414,8 +415,8 @@ def _threads() -> tuple[int, int]:
 
 def _key(kind: str, *parts) -> tuple:
     """("linear" / "linear-packed" / "linear-fp32", x dtype, N, K, rows) or ("experts" / "experts-packed" /
-    "experts-fp32", H, 2I, rows): a lookup per GEMM call, so a plain tuple. "linear-layout" / "experts-layout" keys end in the largest row
-    bucket and map to "packed <ratio>" or "row-major <ratio>" (_packs)."""
+    "experts-fp32", H, 2I, rows): a lookup per GEMM call, so a plain tuple. "linear-layout" / "experts-layout" keys
+    end in the largest row bucket and map to "packed <ratio>" or "row-major <ratio>" (_packs)."""
     return (kind, *parts)
 
 
@@ -436,10 +437,10 @@ def _label(head: str) -> str:
     "experts-packed|..." -> "experts H .. 2I .. (packed)"; "experts-layout|..." -> "experts H .. 2I .. layout";
     "experts-fp32|..." -> "experts H .. 2I .. (fp32 weights)"."""
     p = head.split("|")
-    packed = {"packed": " (packed)", "layout": " layout", "fp32": " (fp32 weights)"}.get(p[0].rpartition("-")[2], "")
+    suffix = {"packed": " (packed)", "layout": " layout", "fp32": " (fp32 weights)"}.get(p[0].rpartition("-")[2], "")
     if p[0].startswith("linear"):
-        return f"linear {p[1]} N {p[2]} K {p[3]}{packed}"
-    return f"experts H {p[1]} 2I {p[2]}{packed}"
+        return f"linear {p[1]} N {p[2]} K {p[3]}{suffix}"
+    return f"experts H {p[1]} 2I {p[2]}{suffix}"
 
 
 def _layouts(packed: bool, also_packed: bool) -> list[bool]:
