@@ -438,7 +438,10 @@ def test_late_handoff_after_a_retry_is_dropped_not_decoded_twice(tiny_qwen3_moe,
     normal = tokens(LLM(tiny_qwen3_moe, **QWEN).generate(prompts, greedy(), use_tqdm=False))
     llm = disagg(tiny_qwen3_moe, decode=1, disagg={"transfer_timeout_s": 2.0}, **QWEN)
     engine = llm.engine
-    proxy = CuttingProxy(engine.decode_addresses[0], cut_after=None, hold_s=4.0)
+    # The held connection releases the first try 3 s after it was sent: 1 s past its 2 s timeout, and 1 s before the
+    # retry's own timeout (the retry's handoff rides the same connection). Held 4 s, the release fell on the retry's
+    # deadline, and on a slow host the retry timed out too (a second retry: 2 imports per request).
+    proxy = CuttingProxy(engine.decode_addresses[0], cut_after=None, hold_s=3.0)
     engine.decode_addresses[0] = proxy.address
     try:
         done = drive(engine, prompts, greedy())
