@@ -24,9 +24,9 @@ void sample_tokens(const float* logits, int64_t B, int64_t V, const float* tempe
 // Logprobs as torch's log_softmax over the raw logits gives them (vLLM's raw logprobs): per row b with tokens[b] >= 0,
 // token_logprob[b] = logp(tokens[b]) with logp(v) = (logits[b, v] - max) - log(sum exp(logits[b] - max)), rank[b] = 1 +
 // the tokens of greater logp, and top_ids / top_logprobs [b, 0..n) the n greatest in descending order, lower id first
-// among equals (n 0: none). Rows with tokens[b] < 0 (non-finite logits) are left as they are. The sum of exps is
-// exp8's (~2 ulp) in a fixed order, so a logprob can differ from torch's by a few ulp of the log-sum. logits [B, V]
-// finite where tokens >= 0; n <= V.
+// among equals (n 0: none). Rows with tokens[b] < 0 (non-finite logits) are left as they are. The exps are
+// exp8's (~2 ulp), summed in double in a fixed order, so a logprob is within a few ulp of the log-sum of the exact
+// one (torch's fp32 log_softmax drifts further at 32000 tokens). logits [B, V] finite where tokens >= 0; n <= V.
 void token_logprobs(const float* logits, int64_t B, int64_t V, const int64_t* tokens, int64_t n, float* token_logprob,
                     int64_t* rank, int64_t* top_ids, float* top_logprobs, int num_threads);
 
