@@ -151,6 +151,22 @@ def test_grouped_experts_on_fp32_weights_match_fp32_reference(h, i, threads, isa
         assert torch.equal(alone, out[4:5])
 
 
+# fp32 weights run the ISAs that read fp32 activations.
+@pytest.mark.parametrize("isa, invariant, weight_dtype", [(isa, inv, dt) for isa, inv in MODES
+                                                          for dt in (torch.bfloat16, torch.float32)
+                                                          if dt == torch.bfloat16 or isa not in BF16_INPUT_ISAS])
+@pytest.mark.parametrize("m, n", [(0, 262), (3, 0), (0, 0)])
+def test_linear_of_no_rows_or_no_outputs_is_empty(m, n, weight_dtype, isa, invariant, monkeypatch):
+    """A step can ask for the logits of no rows: the kernel's row passes and column tasks divided by zero there
+    (SIGFPE, the whole process down); now an empty result, on every ISA, with one thread or two."""
+    x_dtype = torch.bfloat16 if isa in BF16_INPUT_ISAS else torch.float32
+    for threads in (1, 2):
+        monkeypatch.setattr(platform, "kernel_threads", lambda: threads)
+        y = linear_bf16(torch.randn(m, 64).to(x_dtype), torch.randn(n, 64).to(weight_dtype),
+                        torch.randn(n).to(weight_dtype), isa=isa, invariant=invariant)
+        assert y.shape == (m, n) and y.dtype == x_dtype
+
+
 def test_fp32_weights_are_refused_where_no_kernel_reads_them():
     x, counts = torch.zeros(2, 32), torch.tensor([2])
     w13, w2 = torch.zeros(1, 32, 32), torch.zeros(1, 32, 16)

@@ -162,6 +162,13 @@ void expert_swiglu(const float* x, const W* w13, const W* w2, float* y, float* s
 template <class W>
 void gemm_bf16(const void* x, bool x_bf16, const W* w, float* out, int64_t M, int64_t K, int64_t N, GemmMode mode,
                int num_threads, const OutputDone& done) {
+  // The row passes and column tasks below divide by M, N and K's bytes: an empty product is settled here (a step
+  // can ask for the logits of no rows).
+  if (M == 0 || N == 0 || K == 0) {
+    std::fill(out, out + M * N, 0.0f);
+    if (done && M > 0 && N > 0) done(0, M, 0, N);
+    return;
+  }
   const Isa isa = mode.isa == Isa::AMX && M < AMX_MIN_ROWS && !mode.invariant ? Isa::AVX512_BF16 : mode.isa;
   // bf16 products: no wide path, x rounded once
   const bool pairs = std::is_same_v<W, uint16_t> && (isa == Isa::AVX512_BF16 || isa == Isa::AMX);
