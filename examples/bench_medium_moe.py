@@ -125,7 +125,9 @@ def main():
               f"(`{platform.cpu_flags()}`).\n\n"
               f"    python examples/bench_medium_moe.py --threads {args.threads}"
               f"{'' if dtype == torch.bfloat16 else ' --dtype ' + args.dtype}\n\n")
-    title = "Engine core: medium Qwen3-MoE decode" + ("" if dtype == torch.bfloat16 else f" ({args.dtype})")
+    # One section per CPU: machines differ from session to session, and each keeps its own table.
+    title = ("Engine core: medium Qwen3-MoE decode" + ("" if dtype == torch.bfloat16 else f" ({args.dtype})") +
+             f", {platform.cpu_flags()}")
     write_section(title, header + table)
 
 

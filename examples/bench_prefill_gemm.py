@@ -85,7 +85,7 @@ def main():
             "`python examples/bench_prefill_gemm.py`.\n\n" + "\n\n".join(tables))
     print(body)
     if args.write:
-        write_section("Prefill GEMMs beside torch", body)
+        write_section(f"Prefill GEMMs beside torch, {platform.cpu_flags()}", body)  # one section per CPU
 
 
 if __name__ == "__main__":
