@@ -72,14 +72,15 @@ def bandwidth(threads: int, mib: int = 512, repeats: int = 10) -> float:
     return nbytes / min(best_time(a.sum, repeats), best_time(lambda: read(a.data_ptr()), repeats))
 
 
-def matmul_rate(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> float:
+def matmul_rate(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5, fp32_only: bool = False) -> float:
+    """FLOP/s of torch's best product, fp32 or bf16 (fp32_only: fp32, the rate an fp32 model can reach)."""
     import torch
 
     from deepinfer import platform
 
     f = platform.cpu_features()
     # Without bf16 instructions torch's bf16 product is never the faster one, and timing it costs minutes.
-    native_bf16 = f["avx512_bf16"] or f["amx_bf16"]
+    native_bf16 = (f["avx512_bf16"] or f["amx_bf16"]) and not fp32_only
     rates = []
     for dtype in (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,):
         x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
@@ -87,14 +88,14 @@ def matmul_rate(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) ->
     return max(rates)
 
 
-def measure(threads: int) -> dict:
-    """All rates at one thread count (restores torch's previous setting)."""
+def measure(threads: int, fp32_only: bool = False) -> dict:
+    """All rates at one thread count (restores torch's previous setting); fp32_only: as matmul_rate's."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return {"threads": threads, "bandwidth": bandwidth(threads), "matmul": matmul_rate()}
+        return {"threads": threads, "bandwidth": bandwidth(threads), "matmul": matmul_rate(fp32_only=fp32_only)}
     finally:
         torch.set_num_threads(old)
 
