@@ -15,14 +15,14 @@ struct MoeBlock {
   int64_t H = 0, I = 0;            // hidden, expert intermediate size
   const void* norm_w = nullptr;    // [H] post-attention RMSNorm weight (activation dtype)
   float eps = 0.0f;
-  bool fp32_weights = false;    // gate, w13 and w2 fp32 (an fp32 model's), not bf16
-  const void* gate = nullptr;  // [E_logical, H] router
+  bool fp32_weights = false;       // gate, w13 and w2 fp32 (an fp32 model's), not bf16
+  const void* gate = nullptr;      // [E_logical, H] router
   int64_t num_logical = 0, top_k = 0;
   bool renorm = false;             // norm_topk_prob
   GemmMode gate_mode;
   int64_t num_physical = 0;
-  const void* w13 = nullptr;   // [E, 2I, H]
-  const void* w2 = nullptr;    // [E, H, I]
+  const void* w13 = nullptr;       // [E, 2I, H]
+  const void* w2 = nullptr;        // [E, H, I]
   // Kernel id (kernel_mode) of the grouped kernel by the busiest expert's rows: entry i for 2^i.. rows, the
   // last for all above.
   std::vector<int> expert_isa;
