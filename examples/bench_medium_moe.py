@@ -16,7 +16,7 @@ from deepinfer.layers import gemm_plan
 from examples.make_medium_qwen3_moe import make
 from examples.sweep import metrics
 from examples.sweep.model_cost import decode_step_cost, load_config, shape
-from examples.sweep.roofline import measure
+from examples.sweep.roofline import matmul_for, measure
 
 PROMPT, NEW = 64, 64
 
@@ -84,9 +84,10 @@ def hf_decode_ms(model, batch: int, vocab: int) -> float:
 def floor_ms(path: str, batch: int, rates: dict, elem_bytes: int = 2) -> float:
     """The sweep's floor of one decode step (examples/sweep/model_cost.py): the weights some token
     touches plus the KV at the mean decode context (elem_bytes each: 2 in bf16, 4 in fp32), over bandwidth, or FLOPs
-    over the matmul rate."""
+    over the matmul rate such a model's products reach (roofline.matmul_for)."""
     cost = decode_step_cost(shape(load_config(path)), batch, PROMPT + NEW / 2, elem_bytes, elem_bytes)
-    return metrics.floor_ms(cost["bytes"], cost["flops"], rates["bandwidth"], rates["matmul"])["ms"]
+    matmul = matmul_for(rates, elem_bytes == 4)
+    return metrics.floor_ms(cost["bytes"], cost["flops"], rates["bandwidth"], matmul)["ms"]
 
 
 def main():
@@ -98,8 +99,7 @@ def main():
     args = ap.parse_args()
     path = make()
     dtype = getattr(torch, args.dtype)
-    # An fp32 model multiplies in fp32: on CPUs with bf16 dot products the bf16 rate (~2x) would set its floor.
-    rates = measure(args.threads, fp32_only=dtype == torch.float32)
+    rates = measure(args.threads)
     # The engine sets the process-wide thread count transformers runs with too.
     llm = medium_llm(path, args.batches, args.threads, args.dtype)
     cfg = llm.engine.hf_config
@@ -123,7 +123,8 @@ def main():
     header = (f"Medium Qwen3-MoE (vocab 32000, hidden 1024, 16 layers, 16/4 heads of 64, 32 experts top-4, "
               f"moe_intermediate 512, {args.dtype}), {PROMPT} prompt + {NEW} new tokens, greedy, ignore EOS; decode "
               f"ms per step; torch threads = {args.threads}. Floor from rates measured in the same run: read "
-              f"{rates['bandwidth'] / 1e9:.1f} GB/s, matmul ({rate_kind}) {rates['matmul'] / 1e9:.0f} GFLOP/s "
+              f"{rates['bandwidth'] / 1e9:.1f} GB/s, matmul ({rate_kind}) "
+              f"{matmul_for(rates, dtype == torch.float32) / 1e9:.0f} GFLOP/s "
               f"(`{platform.cpu_flags()}`).\n\n"
               f"    python examples/bench_medium_moe.py --threads {args.threads}"
               f"{'' if dtype == torch.bfloat16 else ' --dtype ' + args.dtype}\n\n")

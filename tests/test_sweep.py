@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from examples.peers import llamacpp_peer, paths
-from examples.sweep import benchmark, metrics, model_cost, plot_pareto, sweep, table
+from examples.sweep import benchmark, metrics, model_cost, plot_pareto, roofline, sweep, table
 from examples.sweep.step_timer import split
 from tests.conftest import tiny_experts_plan_label
 
@@ -75,7 +75,8 @@ def _point(name, batch, sps, nextn=None, accepted=None):
     return {"name": name, "dp": 1, "decode_num_requests": batch, "decode_avg_sps": sps, "decode_step_ms": 1000 / sps,
             "nextn": nextn, "accepted_tokens_per_step": accepted,
             "tokens_per_s_per_user": sps * tokens, "tokens_per_s_per_rank": sps * batch * tokens,
-            "floor": {"bytes": 1e8, "flops": 1e9, "threads": 1, "ms": 1.0}, "step_split_ms": None, "prefill": []}
+            "floor": {"bytes": 1e8, "flops": 1e9, "fp32_weights": False, "threads": 1, "ms": 1.0},
+            "step_split_ms": None, "prefill": []}
 
 
 def test_assumed_tau_only_labelled_and_beside_measured(tmp_path):
@@ -100,6 +101,25 @@ def test_table_refloors_with_the_sweeps_rates():
     table.refloor([p], {"rates": [{"threads": 1, "bandwidth": 1e10, "matmul": 1e11}]})
     assert p["floor"]["ms"] == pytest.approx(10.0) and p["time_over_floor"] == pytest.approx(20.0)
     assert "| x | 1 | 4 | 200.0 | 200.0 |" in table.table([p])
+
+
+def test_fp32_points_are_floored_at_the_fp32_matmul_rate():
+    """A bf16 model's products may take torch's faster bf16 GEMM; an fp32 model's cannot: on CPUs with bf16 dot
+    products the best rate is ~2x fp32's and would put an fp32 point's floor at half its real value."""
+    roof = {"machine": {}, "rates": [{"threads": 1, "bandwidth": 1e12, "matmul": 2e11, "matmul_fp32": 1e11}]}
+    points = {}
+    for dtype in ("bfloat16", "float32"):
+        cost = {"bytes": 1e6, "flops": 1e9, "fp32_weights": dtype == "float32"}
+        points[dtype] = benchmark.floor_at(cost, roofline.rates_for(roof, 1))
+    assert points["bfloat16"]["ms"] == pytest.approx(5.0) and points["float32"]["ms"] == pytest.approx(10.0)
+    assert points["float32"]["matmul_rate"] == 1e11 and points["float32"]["bound"] == "compute"
+    stale = {"floor": {**points["float32"], "threads": 1}, "decode_step_ms": 20.0}
+    table.refloor([stale], {"rates": [{"threads": 1, "bandwidth": 1e12, "matmul": 4e11, "matmul_fp32": 5e10}]})
+    assert stale["floor"]["ms"] == pytest.approx(20.0) and stale["time_over_floor"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no fp32 matmul rate"):
+        roofline.matmul_for({"threads": 1, "bandwidth": 1e12, "matmul": 2e11}, fp32=True)
+    merged = roofline.merge({"rates": [{"threads": 1, "bandwidth": 1.0, "matmul": 3.0}]}, roof)
+    assert merged["rates"][0] == {"threads": 1, "bandwidth": 1e12, "matmul": 2e11, "matmul_fp32": 1e11}
 
 
 def test_floor_beside_takes_the_rates_read_after_the_run(monkeypatch):
@@ -361,7 +381,8 @@ def test_tiny_sweep_end_to_end(tiny_qwen3_moe, tmp_path):
     path, out = tmp_path / "cfg.json", tmp_path / "out"
     path.write_text(json.dumps(cfg))
     out.mkdir()  # synthetic rates: measuring the machine is the benchmark's job, not the test's
-    (out / "roofline.json").write_text(json.dumps({"rates": [{"threads": 1, "bandwidth": 1e10, "matmul": 4e10}]}))
+    (out / "roofline.json").write_text(json.dumps({"rates": [{"threads": 1, "bandwidth": 1e10, "matmul": 4e10,
+                                                                "matmul_fp32": 2e10}]}))
     env = {**os.environ, "PYTHON": sys.executable, "DEEPINFER_PEERS_DIR": str(tmp_path / "no-peers"),
            "SWEEP_REMEASURE": "0"}
     run = lambda: subprocess.run(["bash", "examples/sweep/run_sweep.sh", str(path), str(out)], cwd=ROOT, env=env,

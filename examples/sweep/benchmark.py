@@ -25,7 +25,7 @@ import time
 
 from examples.sweep import metrics, model_cost
 from examples.sweep.errors import PeerMissing, PointError
-from examples.sweep.roofline import machine, rates_for
+from examples.sweep.roofline import machine, matmul_for, rates_for
 
 ENGINE_OPTIONS = {
     "deepinfer": {"dtype", "kv_cache_dtype", "block_size", "num_threads", "kv_cache_memory",
@@ -101,16 +101,19 @@ def floor_entry(p, opts: dict, roofline: dict | None) -> dict | None:
     if why:
         print(f"benchmark: no floor for this point ({why})", file=sys.stderr)
         return None
-    wbytes = 4 if opts.get("dtype", "bfloat16") in ("float32", "fp32") else 2
+    fp32 = opts.get("dtype", "bfloat16") in ("float32", "fp32")
+    wbytes = 4 if fp32 else 2
     kv = 0.5625 if opts.get("kv_cache_dtype") == "fp4" else wbytes  # fp4 values + one 8-bit scale per 16
     cost = model_cost.decode_step_cost(s, p.batch, p.context + p.warmup + p.steps / 2, wbytes, kv)
-    return {**cost, **floor_at(cost, rates_for(roofline, opts.get("num_threads", 1)))}
+    return floor_at({**cost, "fp32_weights": fp32}, rates_for(roofline, opts.get("num_threads", 1)))
 
 
 def floor_at(cost: dict, rates: dict) -> dict:
-    """The floor of a step of cost["bytes"] and cost["flops"] at one roofline entry's rates, and those rates."""
-    return {**metrics.floor_ms(cost["bytes"], cost["flops"], rates["bandwidth"], rates["matmul"]),
-            "bandwidth": rates["bandwidth"], "matmul_rate": rates["matmul"], "threads": rates["threads"]}
+    """cost (bytes, flops, fp32_weights) with the floor of its step at one roofline entry's rates, and those rates:
+    an fp32 model's products at torch's fp32 rate, a bf16 model's at the best of fp32 and bf16."""
+    matmul = matmul_for(rates, cost["fp32_weights"])
+    return {**cost, **metrics.floor_ms(cost["bytes"], cost["flops"], rates["bandwidth"], matmul),
+            "bandwidth": rates["bandwidth"], "matmul_rate": matmul, "threads": rates["threads"]}
 
 
 def measure_rates(threads: int) -> dict | None:

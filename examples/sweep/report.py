@@ -32,7 +32,9 @@ def ratios(points: list[dict], ours: str, peer: str) -> str:
 
 def rates_line(roofline: dict) -> str:
     return ", ".join(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: read {r['bandwidth'] / 1e9:.1f} GB/s, "
-                     f"matmul (best of fp32, bf16) {r['matmul'] / 1e9:.1f} GFLOP/s" for r in roofline["rates"])
+                     f"matmul (best of fp32, bf16) {r['matmul'] / 1e9:.1f} GFLOP/s" +
+                     (f", fp32 {r['matmul_fp32'] / 1e9:.1f} GFLOP/s" if "matmul_fp32" in r else "")
+                     for r in roofline["rates"])
 
 
 def also(outdir: str, text_file: str) -> str:

@@ -72,30 +72,41 @@ def bandwidth(threads: int, mib: int = 512, repeats: int = 10) -> float:
     return nbytes / min(best_time(a.sum, repeats), best_time(lambda: read(a.data_ptr()), repeats))
 
 
-def matmul_rate(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5, fp32_only: bool = False) -> float:
-    """FLOP/s of torch's best product, fp32 or bf16 (fp32_only: fp32, the rate an fp32 model can reach)."""
+def matmul_rates(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> dict:
+    """FLOP/s of torch's products: {"matmul": the best of fp32 and bf16 (what a bf16 model's products can reach),
+    "matmul_fp32": fp32's (an fp32 model's: on CPUs with bf16 dot products about half the best)}."""
     import torch
 
     from deepinfer import platform
 
     f = platform.cpu_features()
     # Without bf16 instructions torch's bf16 product is never the faster one, and timing it costs minutes.
-    native_bf16 = (f["avx512_bf16"] or f["amx_bf16"]) and not fp32_only
-    rates = []
-    for dtype in (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,):
+    dtypes = (torch.float32, torch.bfloat16) if f["avx512_bf16"] or f["amx_bf16"] else (torch.float32,)
+    rates = {}
+    for dtype in dtypes:
         x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-        rates.append(2 * m * k * n / best_time(lambda: x @ w, repeats))
-    return max(rates)
+        rates[dtype] = 2 * m * k * n / best_time(lambda: x @ w, repeats)
+    return {"matmul": max(rates.values()), "matmul_fp32": rates[torch.float32]}
 
 
-def measure(threads: int, fp32_only: bool = False) -> dict:
-    """All rates at one thread count (restores torch's previous setting); fp32_only: as matmul_rate's."""
+def matmul_for(rates: dict, fp32: bool) -> float:
+    """The matmul rate of a roofline entry that a model's products can reach: fp32's for fp32 weights."""
+    if not fp32:
+        return rates["matmul"]
+    if "matmul_fp32" not in rates:
+        raise ValueError("this roofline entry has no fp32 matmul rate (measured before fp32 rates were kept): "
+                         "rerun python -m examples.sweep.roofline")
+    return rates["matmul_fp32"]
+
+
+def measure(threads: int) -> dict:
+    """All rates at one thread count (restores torch's previous setting)."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return {"threads": threads, "bandwidth": bandwidth(threads), "matmul": matmul_rate(fp32_only=fp32_only)}
+        return {"threads": threads, "bandwidth": bandwidth(threads), **matmul_rates()}
     finally:
         torch.set_num_threads(old)
 
@@ -124,8 +135,9 @@ def merge(old: dict, new: dict) -> dict:
     best = {r["threads"]: dict(r) for r in old["rates"]}
     for r in new["rates"]:
         b = best.setdefault(r["threads"], dict(r))
-        for k in ("bandwidth", "matmul"):
-            b[k] = max(b[k], r[k])
+        for k in ("bandwidth", "matmul", "matmul_fp32"):
+            if k in r:
+                b[k] = max(b.get(k, 0.0), r[k])
     return {"machine": new["machine"], "rates": sorted(best.values(), key=lambda r: r["threads"]),
             "measurements": old.get("measurements", 1) + 1}
 
@@ -138,8 +150,8 @@ def main():
     args = ap.parse_args()
     result = {"machine": machine(), "rates": [measure(t) for t in args.threads]}
     for r in result["rates"]:
-        print(f"threads {r['threads']}: read {r['bandwidth'] / 1e9:.1f} GB/s, matmul "
-              f"{r['matmul'] / 1e9:.1f} GFLOP/s")
+        print(f"threads {r['threads']}: read {r['bandwidth'] / 1e9:.1f} GB/s, matmul {r['matmul'] / 1e9:.1f} "
+              f"GFLOP/s (fp32 {r['matmul_fp32'] / 1e9:.1f})")
     if args.out and args.merge and os.path.exists(args.out):
         with open(args.out) as f:
             result = merge(json.load(f), result)

@@ -10,7 +10,7 @@ import statistics
 import sys
 
 from examples.sweep.metrics import floor_ms, per_rank_tps, per_user_tps, time_over_floor
-from examples.sweep.roofline import rates_for
+from examples.sweep.roofline import matmul_for, rates_for
 
 
 def median_point(rounds: list[dict]) -> dict:
@@ -58,8 +58,10 @@ def refloor(points: list[dict], roofline: dict) -> None:
         fl = p.get("floor")
         if fl:
             r = rates_for(roofline, fl["threads"])
-            fl.update(floor_ms(fl["bytes"], fl["flops"], r["bandwidth"], r["matmul"]),
-                      bandwidth=r["bandwidth"], matmul_rate=r["matmul"])
+            # Points measured before floors named their weights' dtype were all bf16.
+            matmul = matmul_for(r, fl.get("fp32_weights", False))
+            fl.update(floor_ms(fl["bytes"], fl["flops"], r["bandwidth"], matmul), bandwidth=r["bandwidth"],
+                      matmul_rate=matmul)
             p["time_over_floor"] = time_over_floor(p["decode_step_ms"], fl["ms"])
 
 
