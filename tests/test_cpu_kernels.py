@@ -312,7 +312,9 @@ def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monke
         return (post, comb, collapsed, merged, cpu_ops.v4_decode_attention(q, ring, ring_len, comp, valid, sinks, 0.1),
                 cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1),
                 cpu_ops.paged_decode_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.1),
-                cpu_ops.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([61]), 0.1))
+                cpu_ops.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([61]), 0.1),
+                cpu_ops.paged_decode_attention(q[:1].bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables[:1],
+                                               torch.tensor([61]), 0.1))
 
     monkeypatch.setattr(platform, "kernel_threads", lambda: 1)
     ref = run()

@@ -125,10 +125,10 @@ void value_pass(int heads, const float* p, int64_t ldp, int64_t n, const uint16_
   }
 }
 
-// The 16 rows at cache + rows[j] (row elements each: all kv heads) fetched towards L1 ahead of their use.
-void prefetch_rows(const uint16_t* cache, const int64_t* rows, int64_t row) {
+// The 16 rows at cache + rows[j] (width elements each: the kv heads read) fetched towards L1 ahead of their use.
+void prefetch_rows(const uint16_t* cache, const int64_t* rows, int64_t width) {
   for (int j = 0; j < KEYS; ++j)
-    for (int64_t e = 0; e < row; e += 32) _mm_prefetch(reinterpret_cast<const char*>(cache + rows[j] + e), _MM_HINT_T1);
+    for (int64_t e = 0; e < width; e += 32) _mm_prefetch(reinterpret_cast<const char*>(cache + rows[j] + e), _MM_HINT_T1);
 }
 
 }  // namespace
@@ -138,13 +138,15 @@ size_t paged_sequence_avx512bf16_bytes(int64_t H, int64_t D, int64_t max_keys) {
   return padded * sizeof(int64_t) + (H * padded + H * D) * sizeof(float);
 }
 
-// One sequence of paged_decode_attention (decode_attention.h) with bf16 q, caches and out, D a multiple of 32;
-// table: its block ids; work: paged_sequence_avx512bf16_bytes(H, D, >= n), 64-byte aligned.
+// One sequence of paged_decode_attention (decode_attention.h) with bf16 q, caches and out, D a multiple of 32, for
+// Hkv of its kv heads (the caches' row holds `row` elements: all kv heads; k_cache and v_cache start at the first
+// head read) and their H query heads (q and out: [H, D]); table: its block ids; work:
+// paged_sequence_avx512bf16_bytes(H, D, >= n), 64-byte aligned.
 void paged_sequence_avx512bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-                               int64_t n, float scale, uint16_t* out, int64_t H, int64_t Hkv, int64_t D,
+                               int64_t n, float scale, uint16_t* out, int64_t H, int64_t Hkv, int64_t D, int64_t row,
                                int64_t block_size, char* work) {
-  const int64_t group = H / Hkv, row = Hkv * D, padded = round_up(n, KEYS);
-  int64_t* rows = reinterpret_cast<int64_t*>(work);  // [padded] element offset of key j's row (all kv heads)
+  const int64_t group = H / Hkv, width = Hkv * D, padded = round_up(n, KEYS);
+  int64_t* rows = reinterpret_cast<int64_t*>(work);  // [padded] element offset of key j's row
   float* p = reinterpret_cast<float*>(rows + padded);  // [H, padded] scores, then probabilities
   float* acc = p + H * padded;                         // [H, D]
   // The last chunk's keys past n repeat key n - 1: finite rows whose scores are never read.
@@ -154,8 +156,8 @@ void paged_sequence_avx512bf16(const uint16_t* q, const uint16_t* k_cache, const
   }
   // Offsets of the rows at head g: rows[j] + g * D, applied by moving the cache base.
   for (int64_t c = 0; c < padded; c += KEYS) {
-    if (c + KEYS < padded) prefetch_rows(k_cache, rows + c + KEYS, row);
-    prefetch_rows(v_cache, rows + c, row);
+    if (c + KEYS < padded) prefetch_rows(k_cache, rows + c + KEYS, width);
+    prefetch_rows(v_cache, rows + c, width);
     for (int64_t g = 0; g < Hkv; ++g)
       for (int64_t h = g * group; h < (g + 1) * group; h += HEADS)
         score_pass(static_cast<int>(std::min<int64_t>(HEADS, (g + 1) * group - h)), k_cache + g * D, rows + c,

@@ -25,7 +25,7 @@ void attend_heads_avx512(const float* q, int64_t kv_heads, int64_t group, const 
 // attention_avx512bf16.cpp: one sequence on bf16 q and caches, keys never widened.
 size_t paged_sequence_avx512bf16_bytes(int64_t H, int64_t D, int64_t max_keys);
 void paged_sequence_avx512bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-                               int64_t n, float scale, uint16_t* out, int64_t H, int64_t Hkv, int64_t D,
+                               int64_t n, float scale, uint16_t* out, int64_t H, int64_t Hkv, int64_t D, int64_t row,
                                int64_t block_size, char* work);
 
 namespace {
@@ -41,16 +41,36 @@ AttendFn<T> attend_fn(Isa isa) {
   return attn::attend_heads<Avx2, T>;
 }
 
-// Sequences [b0, b1) of paged_decode_attention on the AVX512_BF16 path.
+// The tasks of paged_decode_attention: (sequence b, its kv heads [g0, g1)). With as many sequences as threads a task
+// is a whole sequence; with fewer, each sequence's kv heads are split so every thread has work (at batch 1 a layer's
+// attention on one of two threads cost as much as its 2 MB o_proj on both; at 2k context, a third of the step).
+struct HeadSplit {
+  int64_t parts, Hkv;
+
+  HeadSplit(int64_t B, int64_t kv_heads, int threads)
+      : parts(B >= threads ? 1 : std::min<int64_t>(kv_heads, (threads + B - 1) / B)), Hkv(kv_heads) {}
+  int64_t tasks(int64_t B) const { return B * parts; }
+  int64_t b(int64_t task) const { return task / parts; }
+  int64_t g0(int64_t task) const { return Hkv * (task % parts) / parts; }
+  int64_t g1(int64_t task) const { return Hkv * (task % parts + 1) / parts; }
+};
+
+// paged_decode_attention on the AVX512_BF16 path.
 void paged_sequences_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                           const int64_t* block_tables, const int64_t* context_lens, float scale, uint16_t* out,
-                          int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int64_t b0,
-                          int64_t b1) {
-  Scratch<char> work(ScratchUse::DECODE_ATTENTION, paged_sequence_avx512bf16_bytes(H, D, max_blocks * block_size));
-  for (int64_t b = b0; b < b1; ++b)
-    paged_sequence_avx512bf16(q + b * H * D, k_cache, v_cache, block_tables + b * max_blocks,
-                              std::min(context_lens[b], max_blocks * block_size), scale, out + b * H * D, H, Hkv, D,
-                              block_size, work.data());
+                          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
+                          int threads) {
+  const int64_t group = H / Hkv, max_keys = max_blocks * block_size;
+  const HeadSplit split(B, Hkv, threads);
+  parallel_ranges(split.tasks(B), threads, [&](int64_t t0, int64_t t1) {
+    Scratch<char> work(ScratchUse::DECODE_ATTENTION, paged_sequence_avx512bf16_bytes(H, D, max_keys));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = split.b(t), g0 = split.g0(t), g1 = split.g1(t), first = (b * H + g0 * group) * D;
+      paged_sequence_avx512bf16(q + first, k_cache + g0 * D, v_cache + g0 * D, block_tables + b * max_blocks,
+                                std::min(context_lens[b], max_keys), scale, out + first, (g1 - g0) * group, g1 - g0, D,
+                                Hkv * D, block_size, work.data());
+    }
+  });
 }
 
 // V4 sequence b: gathers its valid keys into kv [n, D] fp32, then all H heads over it (K = V). work: W + K row
@@ -101,24 +121,22 @@ Isa decode_attention_isa(bool bf16, int64_t D) {
 
 namespace {
 
-// AVX2 / AVX512 on rows of T, task (b, part): sequence b's kv heads [g0, g1) (all of them when there are as many
-// sequences as threads; with fewer, the heads are split so every thread has work: at batch 1 a layer's attention
-// on one of two threads cost as much as its 2 MB o_proj on both), read in place through its rows' offsets.
+// AVX2 / AVX512 on rows of T, one HeadSplit task at a time, read in place through its rows' offsets.
 template <class T>
 void paged_sequences(const void* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                      const int64_t* context_lens, float scale, void* out, bool bf16, int64_t B, int64_t H, int64_t Hkv,
                      int64_t D, int64_t block_size, int64_t max_blocks, int threads, Isa isa) {
   const int64_t group = H / Hkv, max_keys = max_blocks * block_size, row = Hkv * D;
   const AttendFn<T> attend = attend_fn<T>(isa);
-  const int64_t parts = B >= threads ? 1 : std::min<int64_t>(Hkv, (threads + B - 1) / B);
-  parallel_ranges(B * parts, threads, [&](int64_t t0, int64_t t1) {
+  const HeadSplit split(B, Hkv, threads);
+  parallel_ranges(split.tasks(B), threads, [&](int64_t t0, int64_t t1) {
     // This thread's buffers (no zeroing: only what a task writes is read): the offsets of a sequence's rows
     // [max_keys] (int64), then q, out [H, D] and p [H, max_keys] (fp32).
     Scratch<int64_t> work(ScratchUse::DECODE_ATTENTION, max_keys + (2 * H * D + H * max_keys + 1) / 2);
     int64_t* rows = work.data();
     float *qf = reinterpret_cast<float*>(rows + max_keys), *acc = qf + H * D, *p = acc + H * D;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / parts, g0 = Hkv * (t % parts) / parts, g1 = Hkv * (t % parts + 1) / parts;
+      const int64_t b = split.b(t), g0 = split.g0(t), g1 = split.g1(t);
       const int64_t n = std::min(context_lens[b], max_keys), q_elems = (g1 - g0) * group * D;
       const int64_t* table = block_tables + b * max_blocks;
       for (int64_t j = 0; j < n; ++j) rows[j] = (table[j / block_size] * block_size + j % block_size) * row;
@@ -136,11 +154,9 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
                             int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, int num_threads, Isa isa) {
   const int threads = threads_for(B * H * max_blocks * block_size * D, num_threads);
   if (isa == Isa::AVX512_BF16)
-    return parallel_ranges(B, threads, [&](int64_t b0, int64_t b1) {
-      paged_sequences_bf16(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
-                           static_cast<const uint16_t*>(v_cache), block_tables, context_lens, scale,
-                           static_cast<uint16_t*>(out), H, Hkv, D, block_size, max_blocks, b0, b1);
-    });
+    return paged_sequences_bf16(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
+                                static_cast<const uint16_t*>(v_cache), block_tables, context_lens, scale,
+                                static_cast<uint16_t*>(out), B, H, Hkv, D, block_size, max_blocks, threads);
   if (bf16)
     return paged_sequences(q, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
                            block_tables, context_lens, scale, out, true, B, H, Hkv, D, block_size, max_blocks, threads,
