@@ -346,3 +346,34 @@ def test_engine_packs_what_measures_faster_and_agree_has_the_last_word(tiny_qwen
             done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()[0]})
         outs.append(done["r"])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("bf16_ms, chosen", [(7.9, torch.bfloat16), (8.1, torch.float32), (30.0, torch.float32)])
+def test_prefill_attention_leaves_fp32_only_for_a_clearly_faster_bf16_sdpa(tmp_path, monkeypatch, bf16_ms, chosen):
+    """bf16 SDPA replaces fp32 only at ATTENTION_MARGIN (0.8) of its time (AMX); a tie (Zen 4) or a loss (AVX2)
+    keeps fp32. fp32 activations never ask. The choice is cached and listed with the plan."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    timed = []
+
+    def fake(candidates):
+        timed.append(sorted(candidates))
+        times = {"torch-fp32": 10e-3, "torch-bf16": bf16_ms * 1e-3}
+        return min(times, key=times.get), times
+
+    monkeypatch.setattr(gemm_plan, "fastest", fake)
+    plan = GemmPlan()
+    assert plan.attention_dtype(torch.float32, 16, 4, 64) == torch.float32 and not timed
+    assert plan.attention_dtype(torch.bfloat16, 16, 4, 64) == chosen
+    assert timed == [["torch-bf16", "torch-fp32"]]
+    assert GemmPlan().attention_dtype(torch.bfloat16, 16, 4, 64) == chosen and len(timed) == 1  # from disk
+    path = "torch-bf16" if chosen == torch.bfloat16 else "torch-fp32"
+    assert f"prefill attention H 16 Hkv 4 D 64: {path}" in plan.describe()
+
+
+def test_prefill_attention_calibration_times_both_sdpas_on_this_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm_plan, "ATTENTION_CAL_TOKENS", 64)
+    plan = GemmPlan()
+    dtype = plan.attention_dtype(torch.bfloat16, 4, 2, 32)
+    key = ("attention", 4, 2, 32)
+    assert plan.table[key] == {torch.float32: "torch-fp32", torch.bfloat16: "torch-bf16"}[dtype]

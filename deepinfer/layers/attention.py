@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.layers import cpu_ops
+from deepinfer.layers.gemm_plan import PLAN
 from deepinfer.layers.attention_metadata import AttentionMetadata
 
 Q_TILE = 256  # prefill queries per attention call
@@ -28,14 +29,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             and k_cache.dtype == q.dtype:
         return cpu_ops.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
                                               meta.context_lens, scale)
-    # fp32 math: torch's bf16 SDPA on AVX2 CPUs is several times slower than converting first.
+    # fp32 math unless torch's bf16 SDPA measured clearly faster here (AMX): on AVX2 CPUs it is several times slower
+    # than converting first.
+    dtype = PLAN.attention_dtype(q.dtype, q.shape[1], k_cache.shape[2], q.shape[2]) if q.device.type == "cpu" \
+        else torch.float32
     block_tables = meta.block_tables.clamp(min=0)
-    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2).float()    # [B, Hkv, L, D]
-    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2).float()
+    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2).to(dtype)   # [B, Hkv, L, D]
+    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2).to(dtype)
     if bool((meta.context_lens == meta.query_lens).all()):
         return _fresh_prefill(q, keys, values, meta, scale)
     q_idx, q_valid = _padded_query_index(meta)
-    queries = q[q_idx].transpose(1, 2).float()                            # [B, H, Qmax, D]
+    queries = q[q_idx].transpose(1, 2).to(dtype)                          # [B, H, Qmax, D]
     q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_query_len)
     # Query tiles, each against only the keys its queries may see: a long prompt's causal half is never
     # scored, and no [Qmax, L] score matrix is built at once.
@@ -54,12 +58,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _fresh_prefill(q, keys, values, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Prompts with nothing cached before them: per sequence one causal SDPA over its own keys, which torch
     runs as a fused kernel skipping the masked half (half the time of an explicit mask at 4096 tokens).
-    keys, values [B, Hkv, L, D] fp32 -> [T, H, D]."""
+    keys, values [B, Hkv, L, D] in the dtype attention runs in -> [T, H, D]."""
     qsl = meta.query_start_loc.tolist()
     out = []
     for i in range(meta.num_seqs):
         n = qsl[i + 1] - qsl[i]
-        queries = q[qsl[i]:qsl[i + 1]].transpose(0, 1)[None].float()     # [1, H, n, D]
+        queries = q[qsl[i]:qsl[i + 1]].transpose(0, 1)[None].to(keys.dtype)  # [1, H, n, D]
         out.append(F.scaled_dot_product_attention(queries, keys[i:i + 1, :, :n], values[i:i + 1, :, :n],
                                                   is_causal=True, scale=scale,
                                                   enable_gqa=queries.shape[1] != keys.shape[1])[0].transpose(0, 1))

@@ -19,6 +19,8 @@ fp32 weights as they are) and torch-fp32. Weights packed in bf16 pairs (Linear /
 of their own ("linear-packed", "experts-packed"): our packed kernel, or torch on the weight unpacked for the call.
 Whether a shape's weights are packed at all is measured too ("linear-layout", "experts-layout"; packs_linear,
 packs_experts): the engine packs them where their plan runs its steps' row counts faster packed.
+Prefill attention of bf16 activations ("attention": torch's causal SDPA) runs in fp32 unless torch's bf16 SDPA
+measures ATTENTION_MARGIN faster for the model's heads (attention_dtype).
 """
 import itertools
 import json
@@ -193,6 +195,19 @@ class GemmPlan:
         kernel = max(ours)[1] if ours else self.cpu_paths(w13.dtype, packed=packed)[0]
         return kernel, [e for e, p in enumerate(paths) if p is not None and p.startswith("torch-")]
 
+    def attention_dtype(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> torch.dtype:
+        """The dtype prefill attention (torch's causal SDPA over q [heads, L, head_dim] and kv_heads keys and values)
+        runs in for activations of dtype: fp32, or bf16 for bf16 activations where torch's bf16 SDPA measured
+        faster by ATTENTION_MARGIN here (oneDNN on AMX tiles); measured once per shape and thread counts."""
+        if dtype != torch.bfloat16 or self.invariant:
+            return torch.float32
+        self._load()
+        key = _key("attention", heads, kv_heads, head_dim)
+        if key not in self.table:
+            self._calibrate_attention(heads, kv_heads, head_dim)
+        self.model_shapes.add(key)
+        return torch.bfloat16 if self.table[key] == "torch-bf16" else torch.float32
+
     # -- calibration ----------------------------------------------------------------------------------
 
     def prepare(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int, decode_rows: int) -> None:
@@ -294,6 +309,25 @@ class GemmPlan:
         self._save()
         return chosen
 
+    def _calibrate_attention(self, heads: int, kv_heads: int, head_dim: int) -> None:
+        """Times one ATTENTION_CAL_TOKENS-token causal SDPA in fp32 and in bf16; keeps bf16 only where it is
+        ATTENTION_MARGIN faster (a near tie stays on fp32, the path every CPU ran before)."""
+        gen = torch.Generator().manual_seed(0)
+        n = ATTENTION_CAL_TOKENS
+        q, k, v = (torch.randn(1, h, n, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+
+        def sdpa(dtype: torch.dtype):
+            qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+            return lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=heads != kv_heads)
+
+        times = fastest({"torch-fp32": sdpa(torch.float32), "torch-bf16": sdpa(torch.bfloat16)})[1]
+        key = _key("attention", heads, kv_heads, head_dim)
+        bf16 = times["torch-bf16"] < ATTENTION_MARGIN * times["torch-fp32"]
+        self.table[key] = "torch-bf16" if bf16 else "torch-fp32"
+        logger.info("GEMM plan: prefill attention H %d Hkv %d D %d: %s (%s)", heads, kv_heads, head_dim,
+                    self.table[key], _fmt(times))
+        self._save()
+
     def _keep(self, times: dict, layouts: list[bool], key, chosen: dict) -> None:
         """One row count's race, {(layout index, path): seconds} -> each layout's choice (_choose) in the table at
         key(layout), and its seconds in chosen[layout][rows]."""
@@ -342,12 +376,15 @@ class GemmPlan:
         """One line per shape of model_shapes (every cached shape before any prepare()): row ranges and
         their paths, e.g. "linear bfloat16 N 1536 K 1024: 1-15 cpu-avx2, 16+ torch-bf16"."""
         shapes: dict[str, list[tuple[int, str]]] = {}
+        attention = []
         for key, path in self.table.items():
-            if key[0].endswith("-layout"):
+            if key[0] == "attention" and (not self.model_shapes or key in self.model_shapes):
+                attention.append(f"{_label(_encode(key))}: {path}")
+            if key[0].endswith("-layout") or key[0] == "attention":
                 continue
             if not self.model_shapes or key[:-1] in self.model_shapes:
                 shapes.setdefault(_encode(key[:-1]), []).append((key[-1], path))
-        return [f"{_label(head)}: {_ranges(sorted(runs))}" for head, runs in sorted(shapes.items())]
+        return [f"{_label(head)}: {_ranges(sorted(runs))}" for head, runs in sorted(shapes.items())] + sorted(attention)
 
     def report(self) -> str:
         """The CPU's flags and the paths chosen so far, for a benchmark's output."""
@@ -392,6 +429,13 @@ TORCH_MARGIN = 0.9
 ISA_MARGIN = 1.1
 
 
+# Prefill attention leaves fp32 for torch's bf16 SDPA only when bf16 is this much faster: on AVX2 bf16 is several
+# times slower, on Zen 4 (AVX512-BF16) they tie (135.7 against 137.6 ms for a 2048-token causal SDPA, 16 heads, 4 kv
+# heads, D 64, one thread), and a tie decided by noise would change a model's outputs between machines of one kind.
+ATTENTION_MARGIN = 0.8
+ATTENTION_CAL_TOKENS = 1024
+
+
 def _choose(times: dict[str, float]) -> str:
     """{path: seconds}, our paths widest ISA first -> our widest path within ISA_MARGIN of our fastest, or
     torch-fp32 if it beats that by TORCH_MARGIN, or torch-bf16 unless the pick beats it by TORCH_MARGIN."""
@@ -416,7 +460,8 @@ def _threads() -> tuple[int, int]:
 def _key(kind: str, *parts) -> tuple:
     """("linear" / "linear-packed" / "linear-fp32", x dtype, N, K, rows) or ("experts" / "experts-packed" /
     "experts-fp32", H, 2I, rows): a lookup per GEMM call, so a plain tuple. "linear-layout" / "experts-layout" keys
-    end in the largest row bucket and map to "packed <ratio>" or "row-major <ratio>" (_packs)."""
+    end in the largest row bucket and map to "packed <ratio>" or "row-major <ratio>" (_packs); ("attention", heads,
+    kv heads, head dim) maps to prefill attention's "torch-fp32" or "torch-bf16" (attention_dtype)."""
     return (kind, *parts)
 
 
@@ -437,6 +482,8 @@ def _label(head: str) -> str:
     "experts-packed|..." -> "experts H .. 2I .. (packed)"; "experts-layout|..." -> "experts H .. 2I .. layout";
     "experts-fp32|..." -> "experts H .. 2I .. (fp32 weights)"."""
     p = head.split("|")
+    if p[0] == "attention":
+        return f"prefill attention H {p[1]} Hkv {p[2]} D {p[3]}"
     suffix = {"packed": " (packed)", "layout": " layout", "fp32": " (fp32 weights)"}.get(p[0].rpartition("-")[2], "")
     if p[0].startswith("linear"):
         return f"linear {p[1]} N {p[2]} K {p[3]}{suffix}"
