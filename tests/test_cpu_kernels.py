@@ -314,7 +314,9 @@ def test_threaded_mhc_and_decode_attention_are_bit_identical_to_one_thread(monke
                 cpu_ops.paged_decode_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.1),
                 cpu_ops.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([61]), 0.1),
                 cpu_ops.paged_decode_attention(q[:1].bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables[:1],
-                                               torch.tensor([61]), 0.1))
+                                               torch.tensor([61]), 0.1),
+                cpu_ops.paged_decode_attention(q[:3].bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables[:3],
+                                               lens[:3], 0.1))
 
     monkeypatch.setattr(platform, "kernel_threads", lambda: 1)
     ref = run()
