@@ -128,7 +128,8 @@ void value_pass(int heads, const float* p, int64_t ldp, int64_t n, const uint16_
 // The 16 rows at cache + rows[j] (width elements each: the kv heads read) fetched towards L1 ahead of their use.
 void prefetch_rows(const uint16_t* cache, const int64_t* rows, int64_t width) {
   for (int j = 0; j < KEYS; ++j)
-    for (int64_t e = 0; e < width; e += 32) _mm_prefetch(reinterpret_cast<const char*>(cache + rows[j] + e), _MM_HINT_T1);
+    for (int64_t e = 0; e < width; e += 32)
+      _mm_prefetch(reinterpret_cast<const char*>(cache + rows[j] + e), _MM_HINT_T1);
 }
 
 }  // namespace

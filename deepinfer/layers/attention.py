@@ -3,8 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.layers import cpu_ops
-from deepinfer.layers.gemm_plan import PLAN
 from deepinfer.layers.attention_metadata import AttentionMetadata
+from deepinfer.layers.gemm_plan import PLAN
 
 Q_TILE = 256  # prefill queries per attention call
 
