@@ -270,6 +270,17 @@ def test_our_kernel_and_torch_must_beat_each_other_clearly_to_replace_one_anothe
     assert gemm_plan._choose({"cpu-avx2": 1.0, "torch-bf16": 0.9, "torch-fp32": 0.85}) == "torch-bf16"
 
 
+def test_in_decode_near_ties_with_torch_go_to_our_kernel():
+    """A torch pick in the decode thread pair takes its layer out of the C++ decode step: there torch's bf16 GEMM
+    must be more than DECODE_TIE (1.05) faster, which still keeps the pick within 10% of torch."""
+    assert gemm_plan._choose({"cpu-avx2": 0.95, "torch-bf16": 1.0}, decode=True) == "cpu-avx2"
+    assert gemm_plan._choose({"cpu-avx2": 1.04, "torch-bf16": 1.0}, decode=True) == "cpu-avx2"
+    assert gemm_plan._choose({"cpu-avx2": 1.06, "torch-bf16": 1.0}, decode=True) == "torch-bf16"
+    assert gemm_plan._choose({"cpu-amx": 1.05, "cpu-avx512": 1.0, "torch-bf16": 1.1}, decode=True) == "cpu-amx"
+    assert gemm_plan._choose({"cpu-avx2": 1.0, "torch-bf16": 0.9, "torch-fp32": 0.85}, decode=True) == "torch-fp32"
+    assert gemm_plan._choose({"torch-bf16": 1.0, "torch-fp32": 1.1}, decode=True) == "torch-bf16"
+
+
 def test_the_widest_isa_is_kept_unless_another_is_clearly_faster():
     """Our paths come widest first; calibration's cache-resident timings must beat the widest by
     ISA_MARGIN to displace it (in the engine, streaming from memory, it was the faster)."""

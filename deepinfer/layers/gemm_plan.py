@@ -52,11 +52,12 @@ PRUNE = 3.0
 # of 8 is timed at 8 rows, where the panel form is the tiles: timing the two compares a kernel with itself, and a
 # pick by noise would run rows 10-15 as zero-padded 16-row groups. So panels are timed from the bucket of 16.
 PANELS_MIN_BUCKET = 16
-# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (7: torch-fp32
-# must beat our kernel by TORCH_MARGIN; 6: panel forms timed from the bucket of 16; 5: packed weights have keys of
-# their own; 4: "cpu-avx2" and "cpu-avx512" no longer take the panel form, now a path of its own; 3: the widest ISA
-# within ISA_MARGIN; 2: experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
-PLAN_FORMAT = 7
+# Bumped when the table's keys or choices change meaning, so no plan cached by an older rule is read (8: in the decode
+# thread pair near ties with torch-bf16 go to our kernel, DECODE_TIE; 7: torch-fp32 must beat our kernel by
+# TORCH_MARGIN; 6: panel forms timed from the bucket of 16; 5: packed weights have keys of their own; 4: "cpu-avx2"
+# and "cpu-avx512" no longer take the panel form, now a path of its own; 3: the widest ISA within ISA_MARGIN; 2:
+# experts choose an ISA per row bucket; 1 kept one ISA for all row counts).
+PLAN_FORMAT = 8
 
 
 def bucket(m: int) -> int:
@@ -334,7 +335,7 @@ class GemmPlan:
         for i, layout in enumerate(layouts):
             mine = {p: t for (j, p), t in times.items() if j == i}
             k = key(layout)
-            path = self.table[k] = _choose(mine)
+            path = self.table[k] = _choose(mine, decode=torch.get_num_threads() == 1)
             chosen[layout][k[-1]] = mine[path]
             logger.debug("GEMM calibration %s rows %d: %s", _label(_encode(k[:-1])), k[-1], _fmt(mine))
 
@@ -436,9 +437,18 @@ ATTENTION_MARGIN = 0.8
 ATTENTION_CAL_TOKENS = 1024
 
 
-def _choose(times: dict[str, float]) -> str:
+# In the decode thread pair (torch on one thread, platform.set_threads) a GEMM that the plan gives to torch cannot run
+# in the C++ decode step, and the whole step falls back to the Python path: on a Zen 4 a fresh plan gave qkv's bucket
+# of 64 rows to torch's bf16 GEMM (row-major weights, a near tie) and batch-64 steps took 190-210 ms against 159-171
+# with it on our kernel. There a near tie goes to our kernel: torch's bf16 GEMM replaces it only when ours takes over
+# DECODE_TIE of torch's time (inside the 10% the plan promises against torch).
+DECODE_TIE = 1.05
+
+
+def _choose(times: dict[str, float], decode: bool = False) -> str:
     """{path: seconds}, our paths widest ISA first -> our widest path within ISA_MARGIN of our fastest, or
-    torch-fp32 if it beats that by TORCH_MARGIN, or torch-bf16 unless the pick beats it by TORCH_MARGIN."""
+    torch-fp32 if it beats that by TORCH_MARGIN, or torch-bf16 unless the pick beats it by TORCH_MARGIN (decode:
+    unless the pick takes over DECODE_TIE of torch-bf16's time)."""
     ours = [p for p in times if p.startswith("cpu-")]
     if ours:
         best_ours = min(times[p] for p in ours)
@@ -446,10 +456,11 @@ def _choose(times: dict[str, float]) -> str:
         times = {p: t for p, t in times.items() if p == keep or not p.startswith("cpu-")}
         if "torch-fp32" in times and times["torch-fp32"] > TORCH_MARGIN * times[keep]:
             del times["torch-fp32"]
-    best = min(times, key=times.get)
-    if "torch-bf16" in times and times[best] > TORCH_MARGIN * times["torch-bf16"]:
-        return "torch-bf16"
-    return best
+    rest = [p for p in times if p != "torch-bf16"]
+    if "torch-bf16" not in times or not rest:
+        return min(times, key=times.get)
+    best = min(rest, key=times.get)
+    return "torch-bf16" if times[best] > (DECODE_TIE if decode else TORCH_MARGIN) * times["torch-bf16"] else best
 
 
 def _threads() -> tuple[int, int]:
