@@ -48,12 +48,12 @@ AttendFn<T> attend_fn(Isa isa) {
 // attention on one of two threads cost as much as its 2 MB o_proj on both, and at batch 3 and 2k context two
 // threads took 9.2 ms over 16 layers with whole sequences (two on one thread) against 6.6 split.
 struct HeadSplit {
-  int64_t parts, Hkv;
+  int64_t B, Hkv, parts;
 
-  HeadSplit(int64_t B, int64_t kv_heads, int threads)
-      : parts(B >= 4 * threads ? 1 : std::min<int64_t>(kv_heads, threads / std::gcd<int64_t>(B, threads))),
-        Hkv(kv_heads) {}
-  int64_t tasks(int64_t B) const { return B * parts; }
+  HeadSplit(int64_t batch, int64_t kv_heads, int threads)
+      : B(batch), Hkv(kv_heads),
+        parts(B >= 4 * threads ? 1 : std::min<int64_t>(Hkv, threads / std::gcd<int64_t>(B, threads))) {}
+  int64_t tasks() const { return B * parts; }
   int64_t b(int64_t task) const { return task / parts; }
   int64_t g0(int64_t task) const { return Hkv * (task % parts) / parts; }
   int64_t g1(int64_t task) const { return Hkv * (task % parts + 1) / parts; }
@@ -66,7 +66,7 @@ void paged_sequences_bf16(const uint16_t* q, const uint16_t* k_cache, const uint
                           int threads) {
   const int64_t group = H / Hkv, max_keys = max_blocks * block_size;
   const HeadSplit split(B, Hkv, threads);
-  parallel_ranges(split.tasks(B), threads, [&](int64_t t0, int64_t t1) {
+  parallel_ranges(split.tasks(), threads, [&](int64_t t0, int64_t t1) {
     Scratch<char> work(ScratchUse::DECODE_ATTENTION, paged_sequence_avx512bf16_bytes(H, D, max_keys));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = split.b(t), g0 = split.g0(t), g1 = split.g1(t), first = (b * H + g0 * group) * D;
@@ -133,7 +133,7 @@ void paged_sequences(const void* q, const T* k_cache, const T* v_cache, const in
   const int64_t group = H / Hkv, max_keys = max_blocks * block_size, row = Hkv * D;
   const AttendFn<T> attend = attend_fn<T>(isa);
   const HeadSplit split(B, Hkv, threads);
-  parallel_ranges(split.tasks(B), threads, [&](int64_t t0, int64_t t1) {
+  parallel_ranges(split.tasks(), threads, [&](int64_t t0, int64_t t1) {
     // This thread's buffers (no zeroing: only what a task writes is read): the offsets of a sequence's rows
     // [max_keys] (int64), then q, out [H, D] and p [H, max_keys] (fp32).
     Scratch<int64_t> work(ScratchUse::DECODE_ATTENTION, max_keys + (2 * H * D + H * max_keys + 1) / 2);
