@@ -205,7 +205,7 @@ class GemmPlan:
         self._load()
         key = _key("attention", heads, kv_heads, head_dim)
         if key not in self.table:
-            self._calibrate_attention(heads, kv_heads, head_dim)
+            self._calibrate_attention(key)
         self.model_shapes.add(key)
         return torch.bfloat16 if self.table[key] == "torch-bf16" else torch.float32
 
@@ -310,9 +310,11 @@ class GemmPlan:
         self._save()
         return chosen
 
-    def _calibrate_attention(self, heads: int, kv_heads: int, head_dim: int) -> None:
-        """Times one ATTENTION_CAL_TOKENS-token causal SDPA in fp32 and in bf16; keeps bf16 only where it is
-        ATTENTION_MARGIN faster (a near tie stays on fp32, the path every CPU ran before)."""
+    def _calibrate_attention(self, key: tuple) -> None:
+        """key ("attention", heads, kv heads, head dim): times one ATTENTION_CAL_TOKENS-token causal SDPA in fp32 and
+        in bf16; keeps bf16 only where it is ATTENTION_MARGIN faster (a near tie stays on fp32, the path every CPU ran
+        before)."""
+        _, heads, kv_heads, head_dim = key
         gen = torch.Generator().manual_seed(0)
         n = ATTENTION_CAL_TOKENS
         q, k, v = (torch.randn(1, h, n, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
@@ -322,7 +324,6 @@ class GemmPlan:
             return lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=heads != kv_heads)
 
         times = fastest({"torch-fp32": sdpa(torch.float32), "torch-bf16": sdpa(torch.bfloat16)})[1]
-        key = _key("attention", heads, kv_heads, head_dim)
         bf16 = times["torch-bf16"] < ATTENTION_MARGIN * times["torch-fp32"]
         self.table[key] = "torch-bf16" if bf16 else "torch-fp32"
         logger.info("GEMM plan: prefill attention H %d Hkv %d D %d: %s (%s)", heads, kv_heads, head_dim,
@@ -379,9 +380,11 @@ class GemmPlan:
         shapes: dict[str, list[tuple[int, str]]] = {}
         attention = []
         for key, path in self.table.items():
-            if key[0] == "attention" and (not self.model_shapes or key in self.model_shapes):
-                attention.append(f"{_label(_encode(key))}: {path}")
-            if key[0].endswith("-layout") or key[0] == "attention":
+            if key[0] == "attention":
+                if not self.model_shapes or key in self.model_shapes:
+                    attention.append(f"{_label(_encode(key))}: {path}")
+                continue
+            if key[0].endswith("-layout"):
                 continue
             if not self.model_shapes or key[:-1] in self.model_shapes:
                 shapes.setdefault(_encode(key[:-1]), []).append((key[-1], path))
